@@ -1,0 +1,26 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create/refresh .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+# torch 2.13.0 (CPU) is the pinned, tested build; on machines without it pip takes the newest torch.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q torch
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/grpolab demo
+
+test: venv
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,71 @@
+"""Command line: grpolab demo | train | eval. Thin: parse, build the config, call the pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import Config, ConfigError, load_config
+
+DEMO_DIR = "runs/demo"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpolab", description="GRPO-family RL post-training for language models.")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="warm start the built-in model, GRPO, before/after table")
+    d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: train.max_steps)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default=DEMO_DIR, help=f"run directory (default {DEMO_DIR})")
+    d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-4")
+
+    t = sub.add_parser("train", help="run GRPO from a YAML config")
+    t.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint on the held-out split")
+    e.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N)")
+    e.add_argument("--config", default=None, help="YAML config for data/eval settings")
+    e.add_argument("--out", default=None, help="where to write eval.json (default: the checkpoint dir)")
+    e.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        from . import pipeline  # imported late so `grpolab --help` is instant
+
+        if args.command == "demo":
+            overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
+            if args.steps is not None:
+                overrides.append(f"train.max_steps={args.steps}")
+            pipeline.run_demo(load_config(None, overrides))
+        elif args.command == "train":
+            config_path = args.config
+            overrides = list(args.overrides)
+            if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+                config_path, overrides = None, [config_path] + overrides
+            pipeline.run_train(load_config(config_path, overrides))
+        elif args.command == "eval":
+            pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
+        return 0
+    except ConfigError as e:
+        if args.debug:
+            raise
+        print(f"grpolab: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if args.debug:
+            raise
+        print(f"grpolab: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grpolab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

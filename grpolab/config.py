@@ -1,0 +1,336 @@
+"""Run configuration: dataclasses with every option documented where it is declared.
+
+Load order: defaults <- YAML file <- dotted CLI overrides (`rollout.temperature=0.8`).
+`validate()` checks every value and raises ConfigError with one line naming the key and
+the fix. Key names follow TRL/verl where they exist (num_generations, beta, epsilon, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config mistake; the message names the key and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "builtin"  # "builtin" = the tiny GPT with the character tokenizer
+    init_from: str | None = None   # checkpoint dir (…/checkpoints/step_N) to start from; skips sft
+    n_layer: int = 4               # builtin only: transformer blocks
+    n_head: int = 4                # builtin only: attention heads (must divide n_embd)
+    n_embd: int = 128              # builtin only: width
+    block_size: int = 160          # builtin only: longest prompt + completion, in tokens
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 500               # supervised warm-start steps before RL (0 = none)
+    batch_size: int = 32           # solved problems per step
+    lr: float = 3e-3               # peak learning rate (linear warmup, then linear decay to 0)
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    bare_fraction: float = 0.5     # share of warm-start answers given as '#### N' alone, without steps
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"       # built-in synthetic word problems ('#### N' answers)
+    train_size: int = 20000        # problems generated for the train split (sft and RL prompts)
+    test_size: int = 200           # held-out problems for evaluation (disjoint from train)
+    min_ops: int = 2               # arithmetic difficulty: operations per problem ...
+    max_ops: int = 3
+    max_operand: int = 10          # ... size of the numbers added/removed ...
+    max_value: int = 60            # ... and the largest intermediate result
+    allow_mul: bool = True         # include 'doubles'/'triples' steps
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16     # distinct prompts per RL step
+    num_generations: int = 8       # G: completions sampled per prompt (the group)
+    max_new_tokens: int = 32       # completion length cap; longer ones are truncated
+    temperature: float = 1.0       # sampling temperature (> 0); log-probs use the same temperature
+    top_k: int = 0                 # 0 = off
+    top_p: float = 1.0             # 1.0 = off
+
+
+@dataclass
+class RewardConfig:
+    functions: list = field(default_factory=lambda: ["gsm8k_accuracy"])  # names from grpolab.rewards
+    weights: list | None = None    # one weight per function; None = all 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"    # grpo | dr_grpo
+    scale_rewards: str = "group"   # grpo: group | batch | none (none = mean-only advantages)
+    adv_eps: float = 1e-4          # added to the std in (r - mean) / (std + eps)
+    unbiased_std: bool = False     # use n-1 in the group std
+    policy_loss: str = "clip"      # clip
+    epsilon: float = 0.2           # lower clip range: ratio >= 1 - epsilon
+    epsilon_high: float | None = None  # upper clip range (None = epsilon; DAPO uses 0.28)
+    clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (e.g. 3.0); None = off
+    beta: float = 0.04             # KL coefficient to the frozen reference; 0 = no reference model kept
+    kl_estimator: str = "k3"       # k1 | k2 | k3
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    num_iterations: int = 1        # mu: optimizer passes over each rollout batch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4               # peak AdamW learning rate for RL
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 5          # linear warmup from 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at train.max_steps)
+    max_grad_norm: float = 1.0     # gradient clipping; 0 = off
+    micro_batch_size: int = 0      # rows per forward/backward; 0 = whole batch at once
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 60            # RL steps
+    output_dir: str = "runs/train" # run directory (config.yaml, metrics.jsonl, checkpoints/)
+    seed: int = 0                  # seeds data order, sampling and init
+    save_every: int = 0            # checkpoint every N steps (0 = only at the end)
+    eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end)
+    log_every: int = 1             # console line every N steps
+    threads: int = 0               # torch CPU threads; 0 = all cores
+
+
+@dataclass
+class EvalConfig:
+    num_problems: int = 200        # test problems evaluated (at most data.test_size)
+    k: int = 8                     # samples per problem for pass@k
+    temperature: float = 1.0       # sampling temperature for pass@k (greedy accuracy uses argmax)
+    batch_size: int = 512          # completions decoded together
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+def _coerce(key: str, value: Any, current: Any, ftype: str) -> Any:
+    """Check `value` against the declared type of `key`; ints are accepted where floats are."""
+    optional = "None" in ftype
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: must not be null (default is {current!r})")
+    base = ftype.replace(" | None", "").strip()
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+    elif base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads '3e-5' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base == "str":
+        if isinstance(value, str):
+            return value
+    elif base == "list":
+        if isinstance(value, list):
+            return value
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    else:
+        return value
+    raise ConfigError(f"{key}: expected {base}, got {value!r}")
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if len(parts) != 2 or parts[0] not in sections:
+        raise ConfigError(f"unknown config key {dotted!r}; keys look like section.name with section one of "
+                          f"{', '.join(sorted(sections))}")
+    section = getattr(cfg, parts[0])
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if parts[1] not in fields:
+        import difflib
+        close = difflib.get_close_matches(parts[1], fields, n=1)
+        hint = f"; did you mean {parts[0]}.{close[0]}?" if close else \
+            f"; valid keys: {', '.join(parts[0] + '.' + k for k in fields)}"
+        raise ConfigError(f"unknown config key {dotted!r}{hint}")
+    f = fields[parts[1]]
+    setattr(section, parts[1], _coerce(dotted, value, getattr(section, parts[1]), str(f.type)))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'section.key=value' -> (key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (),
+                base: Config | None = None) -> Config:
+    """Defaults (or `base`), then the YAML file, then `key=value` overrides; validated."""
+    cfg = base or Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        for k, v in _flatten(data).items():
+            _set(cfg, k, v)
+    for o in overrides:
+        _set(cfg, *parse_override(o))
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    cfg = Config()
+    for k, v in _flatten(d).items():
+        _set(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _choice(key: str, value: str, options) -> None:
+    _need(value in options, f"{key}: {value!r} is not one of {', '.join(options)}")
+
+
+def validate(cfg: Config) -> None:
+    from .algorithms.advantages import ADV_ESTIMATORS
+    from .algorithms.aggregate import AGG_MODES
+    from .algorithms.losses import POLICY_LOSSES
+    from .rewards import REWARDS
+
+    m = cfg.model
+    _need(m.name_or_path == "builtin",
+          f"model.name_or_path: {m.name_or_path!r} is not supported yet; use 'builtin'")
+    for k in ("n_layer", "n_head", "n_embd", "block_size"):
+        _need(getattr(m, k) >= 1, f"model.{k}: must be >= 1")
+    _need(m.n_embd % m.n_head == 0 and (m.n_embd // m.n_head) % 2 == 0,
+          f"model.n_embd: {m.n_embd} must be a multiple of 2*model.n_head ({2 * m.n_head}) for RoPE")
+
+    s = cfg.sft
+    _need(s.steps >= 0, "sft.steps: must be >= 0 (0 skips the warm start)")
+    _need(s.batch_size >= 1, "sft.batch_size: must be >= 1")
+    _need(s.lr > 0, "sft.lr: must be > 0")
+    _need(0 <= s.bare_fraction <= 1, "sft.bare_fraction: must be in [0, 1]")
+
+    d = cfg.data
+    _choice("data.task", d.task, ("arithmetic",))
+    _need(d.train_size >= 1, "data.train_size: must be >= 1")
+    _need(d.test_size >= 1, "data.test_size: must be >= 1")
+    _need(1 <= d.min_ops <= d.max_ops, "data.min_ops: must satisfy 1 <= data.min_ops <= data.max_ops")
+    _need(d.max_operand >= 2, "data.max_operand: must be >= 2")
+    _need(d.max_value >= 2 * d.max_operand,
+          f"data.max_value: must be >= 2 * data.max_operand ({2 * d.max_operand})")
+
+    r = cfg.rollout
+    _need(r.prompts_per_step >= 1, "rollout.prompts_per_step: must be >= 1")
+    _need(r.num_generations >= 2,
+          "rollout.num_generations: must be >= 2 (group-relative advantages need a group)")
+    _need(r.max_new_tokens >= 1, "rollout.max_new_tokens: must be >= 1")
+    _need(r.temperature > 0 and math.isfinite(r.temperature),
+          "rollout.temperature: must be > 0 (RL samples; use eval for greedy)")
+    _need(r.top_k >= 0, "rollout.top_k: must be >= 0 (0 = off)")
+    _need(0 < r.top_p <= 1, "rollout.top_p: must be in (0, 1]")
+
+    w = cfg.reward
+    _need(len(w.functions) >= 1, "reward.functions: list at least one reward, e.g. [gsm8k_accuracy]")
+    for name in w.functions:
+        _need(name in REWARDS, f"reward.functions: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+    if w.weights is not None:
+        _need(len(w.weights) == len(w.functions),
+              f"reward.weights: {len(w.weights)} weights for {len(w.functions)} functions; give one per function")
+        _need(all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in w.weights),
+              "reward.weights: must be finite numbers")
+
+    a = cfg.algorithm
+    _choice("algorithm.adv_estimator", a.adv_estimator, tuple(ADV_ESTIMATORS))
+    _choice("algorithm.scale_rewards", a.scale_rewards, ("group", "batch", "none"))
+    _choice("algorithm.policy_loss", a.policy_loss, tuple(POLICY_LOSSES))
+    _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    _choice("algorithm.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    _need(a.adv_eps >= 0, "algorithm.adv_eps: must be >= 0")
+    _need(0 < a.epsilon < 1, "algorithm.epsilon: must be in (0, 1), e.g. 0.2")
+    _need(a.epsilon_high is None or a.epsilon_high > 0, "algorithm.epsilon_high: must be > 0 or null")
+    _need(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c: must be > 1 or null (off)")
+    _need(a.beta >= 0, "algorithm.beta: must be >= 0 (0 disables the KL term)")
+    _need(a.num_iterations >= 1, "algorithm.num_iterations: must be >= 1")
+
+    o = cfg.optim
+    _need(o.lr > 0, "optim.lr: must be > 0")
+    _need(o.weight_decay >= 0, "optim.weight_decay: must be >= 0")
+    _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/optim.beta2: must be in [0, 1)")
+    _need(o.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")
+    _choice("optim.lr_schedule", o.lr_schedule, ("constant", "linear", "cosine"))
+    _need(o.max_grad_norm >= 0, "optim.max_grad_norm: must be >= 0 (0 = off)")
+    _need(o.micro_batch_size >= 0, "optim.micro_batch_size: must be >= 0 (0 = whole batch)")
+
+    t = cfg.train
+    _need(t.max_steps >= 0, "train.max_steps: must be >= 0")
+    _need(bool(t.output_dir), "train.output_dir: must be a directory path")
+    for k in ("save_every", "eval_every", "threads"):
+        _need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
+    _need(t.log_every >= 1, "train.log_every: must be >= 1")
+
+    e = cfg.eval
+    _need(e.num_problems >= 1, "eval.num_problems: must be >= 1")
+    _need(e.k >= 1, "eval.k: must be >= 1")
+    _need(e.temperature > 0, "eval.temperature: must be > 0")
+    _need(e.batch_size >= 1, "eval.batch_size: must be >= 1")

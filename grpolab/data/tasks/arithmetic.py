@@ -1,0 +1,101 @@
+"""Synthetic arithmetic word problems, GSM8K-style: one step per line, then '#### <answer>'.
+
+    prompt: "Mia has 7 shells. She finds 5 more, then gives away 3. How many shells now?"
+    answer: "7+5=12\n12-3=9\n#### 9"
+
+Train and test are disjoint by construction: a problem's split is fixed by a hash of its
+text, so no seed or size can put the same problem in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+NAMES = [("Mia", "She"), ("Leo", "He"), ("Ava", "She"), ("Sam", "He"), ("Zoe", "She"),
+         ("Max", "He"), ("Ivy", "She"), ("Ben", "He"), ("Amy", "She"), ("Tom", "He")]
+ITEMS = ["apples", "shells", "coins", "books", "pens", "stamps", "cards", "eggs", "marbles", "beads"]
+ADD = ["finds {n} more", "buys {n} more", "gets {n} more", "is given {n} more"]
+SUB = ["gives away {n}", "loses {n}", "sells {n}", "uses {n}"]
+MUL = {2: "doubles them", 3: "triples them"}
+
+
+@dataclass(frozen=True)
+class ArithmeticConfig:
+    """Difficulty knobs: number of operations per problem and the size of the numbers."""
+    min_ops: int = 2
+    max_ops: int = 3
+    max_operand: int = 10   # starting amount and each added/removed amount are in [1, max_operand]
+    max_value: int = 60     # every intermediate result stays in [0, max_value]
+    allow_mul: bool = True  # 'doubles'/'triples' steps
+    test_fraction: float = 0.1
+
+
+def _split_of(prompt: str, test_fraction: float) -> str:
+    h = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "test" if h < test_fraction else "train"
+
+
+def make_problem(rng: random.Random, cfg: ArithmeticConfig) -> dict:
+    name, pron = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    value = rng.randint(2, cfg.max_operand)
+    start = value
+    phrases, steps = [], []
+    for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):
+        choices = ["add", "sub"] + (["mul"] if cfg.allow_mul else [])
+        op = rng.choice(choices)
+        if op == "mul" and value * 2 > cfg.max_value:
+            op = "sub"
+        if op == "sub" and value == 0:
+            op = "add"
+        if op == "add":
+            n = rng.randint(1, min(cfg.max_operand, cfg.max_value - value) or 1)
+            phrase, new, line = rng.choice(ADD).format(n=n), value + n, f"{value}+{n}={value + n}"
+        elif op == "sub":
+            n = rng.randint(1, min(cfg.max_operand, value))
+            phrase, new, line = rng.choice(SUB).format(n=n), value - n, f"{value}-{n}={value - n}"
+        else:
+            n = 3 if value * 3 <= cfg.max_value and rng.random() < 0.5 else 2
+            phrase, new, line = MUL[n], value * n, f"{value}*{n}={value * n}"
+        phrases.append(phrase)
+        steps.append(line)
+        value = new
+    story = f"{name} has {start} {item}. {pron} {', then '.join(phrases)}."
+    return {"prompt": f"{story} How many {item} now?", "answer": "\n".join(steps) + f"\n#### {value}"}
+
+
+def generate(split: str, n: int, seed: int = 0, cfg: ArithmeticConfig | None = None) -> list[dict]:
+    """n distinct problems of `split` ('train' or 'test'), deterministic in (split, n, seed, cfg)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    cfg = cfg or ArithmeticConfig()
+    rng = random.Random(f"arithmetic/{split}/{seed}")
+    rows, seen = [], set()
+    tries = 0
+    while len(rows) < n:
+        tries += 1
+        if tries > 200 * n + 10_000:
+            raise ValueError(f"could not find {n} distinct {split} problems; raise max_operand or lower n")
+        row = make_problem(rng, cfg)
+        if row["prompt"] in seen or _split_of(row["prompt"], cfg.test_fraction) != split:
+            continue
+        seen.add(row["prompt"])
+        rows.append(row)
+    return rows
+
+
+def bare_answer(row: dict) -> dict:
+    """The same problem with the worked steps dropped: the answer is just '#### N'."""
+    return {**row, "answer": row["answer"].rsplit("\n", 1)[-1]}
+
+
+def warm_start_rows(rows: list[dict], bare_fraction: float, seed: int = 0) -> list[dict]:
+    """SFT data: a seeded `bare_fraction` of the rows answer with '#### N' alone, the rest show their work.
+
+    Like web text, the warm-start model then sometimes shows its work and sometimes guesses.
+    Worked answers are right far more often, and RL has to discover that from reward alone.
+    """
+    rng = random.Random(f"warm_start/{seed}")
+    return [bare_answer(r) if rng.random() < bare_fraction else r for r in rows]

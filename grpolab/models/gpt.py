@@ -1,0 +1,158 @@
+"""The built-in tiny GPT: decoder-only transformer with RoPE, RMSNorm and a KV cache.
+
+Small enough to train on a laptop CPU in a minute, and shaped like the real thing so
+the rest of the system (rollout engine, log-probs, checkpoints) is exercised honestly.
+
+Padding convention: prompts are left-padded, completions right-padded. `key_valid`
+marks real tokens; pads are never attended to. Because RoPE encodes only relative
+positions, left padding does not change what a row computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 256  # longest sequence (prompt + completion) the model handles
+    rope_base: float = 10000.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    # Parameter-free RMSNorm (as in nanochat): one fewer thing to tune or decay.
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); rotate the two halves of the head dimension.
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class KVCache:
+    """Preallocated keys/values for every layer, filled left to right.
+
+    `key_valid` (B, T_max) marks which cached positions are real tokens (not padding).
+    """
+
+    def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (n_layer, batch, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.pos = 0
+        self.max_len = max_len
+
+    def repeat_interleave(self, n: int) -> "KVCache":
+        """Copy each row n times (prompt prefilled once, then shared by its n samples)."""
+        out = KVCache.__new__(KVCache)
+        out.k = self.k.repeat_interleave(n, dim=1)
+        out.v = self.v.repeat_interleave(n, dim=1)
+        out.key_valid = self.key_valid.repeat_interleave(n, dim=0)
+        out.pos, out.max_len = self.pos, self.max_len
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.fc_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+        B, T, C = x.shape
+        h = _rms_norm(x)
+        q, k, v = self.qkv(h).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if cache is not None:
+            p = cache.pos
+            cache.k[layer, :, :, p:p + T] = k
+            cache.v[layer, :, :, p:p + T] = v
+            k, v = cache.k[layer, :, :, :p + T], cache.v[layer, :, :, :p + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.fc_out(F.gelu(self.fc(_rms_norm(x))))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        hd = cfg.n_embd // cfg.n_head
+        inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(cfg.block_size).float(), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.apply(self._init)
+        for b in self.blocks:  # residual projections start small so depth does not blow up activations
+            nn.init.normal_(b.proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            nn.init.normal_(b.fc_out.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        p = self.lm_head.weight
+        return KVCache(c.n_layer, batch, c.n_head, max_len, c.n_embd // c.n_head, p.dtype, p.device)
+
+    def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T).
+
+        key_valid: (B, T) bool, False at padding. With `cache`, idx holds the next T
+        tokens after `cache.pos`; their validity is recorded in the cache.
+        """
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        end = start + T
+        if end > self.config.block_size:
+            raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
+        if key_valid is None:
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+        if cache is not None:
+            cache.key_valid[:, start:end] = key_valid
+            keys = cache.key_valid[:, :end]
+        else:
+            keys = key_valid
+        # mask[b, 0, i, j]: query i (absolute start+i) may see key j if j is real and not in the future.
+        # A query always sees itself, so rows of pure padding stay finite.
+        q_pos = torch.arange(start, end, device=idx.device)
+        k_pos = torch.arange(end, device=idx.device)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        mask = (causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None]
+        mask = mask[:, None]
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        x = self.wte(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.pos = end
+        return self.lm_head(_rms_norm(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,56 @@
+"""Character tokenizer for the built-in model.
+
+The vocabulary is fixed (printable ASCII plus newline, then special tokens), so a
+checkpoint never depends on the data it was trained on and any text round-trips.
+"""
+
+from __future__ import annotations
+
+import string
+
+PAD, BOS, USER, ASSISTANT, END = "<|pad|>", "<|bos|>", "<|user|>", "<|assistant|>", "<|end|>"
+SPECIAL_TOKENS = (PAD, BOS, USER, ASSISTANT, END)
+_CHARS = "\n" + "".join(c for c in string.printable if 32 <= ord(c) < 127)
+UNK_CHAR = "?"
+
+
+class CharTokenizer:
+    """Maps characters to ids one to one; special tokens come after the characters.
+
+    Characters outside the alphabet encode as '?' (so `decode(encode(s)) == s` for
+    any ASCII-printable text with newlines, and never fails on other input).
+    """
+
+    def __init__(self) -> None:
+        self.chars = _CHARS
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.special = {tok: len(self.chars) + i for i, tok in enumerate(SPECIAL_TOKENS)}
+        self.vocab_size = len(self.chars) + len(SPECIAL_TOKENS)
+        self.pad_id = self.special[PAD]
+        self.bos_id = self.special[BOS]
+        self.user_id = self.special[USER]
+        self.assistant_id = self.special[ASSISTANT]
+        self.eos_id = self.special[END]
+        self._id_to_special = {v: k for k, v in self.special.items()}
+
+    def encode(self, text: str) -> list[int]:
+        unk = self.stoi[UNK_CHAR]
+        return [self.stoi.get(c, unk) for c in text]
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i < len(self.chars):
+                out.append(self.chars[i])
+            elif not skip_special:
+                out.append(self._id_to_special[i])
+        return "".join(out)
+
+    def render_prompt(self, prompt: str) -> list[int]:
+        """Chat prompt: <|bos|><|user|>{prompt}<|assistant|>; the model continues from here."""
+        return [self.bos_id, self.user_id, *self.encode(prompt), self.assistant_id]
+
+    def render_completion(self, completion: str) -> list[int]:
+        """Assistant turn as trained in SFT: the text then <|end|>."""
+        return [*self.encode(completion), self.eos_id]

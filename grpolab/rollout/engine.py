@@ -1,0 +1,91 @@
+"""Batched sampling with a preallocated KV cache.
+
+Each prompt is prefilled once; its cache is then copied to its G samples and all
+P*G rows decode together, one token per forward pass, until every row has emitted a
+stop token or max_new_tokens is reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import sample_next
+
+
+@dataclass
+class Generation:
+    prompt_ids: torch.Tensor        # (B, P) left-padded with pad_id, B = num_prompts * G
+    prompt_mask: torch.Tensor       # (B, P) bool, True at real prompt tokens
+    completion_ids: torch.Tensor    # (B, C) right-padded with pad_id
+    completion_mask: torch.Tensor   # (B, C) bool, True up to and including the stop token
+    sampler_logprobs: torch.Tensor  # (B, C) log-prob of each sampled token (0 where masked)
+    truncated: torch.Tensor         # (B,) bool, True when no stop token within max_new_tokens
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = True
+    return ids, mask
+
+
+def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             stop_ids: tuple[int, ...] = (), pad_id: int = 0,
+             generator: torch.Generator | None = None) -> Generation:
+    """Sample `num_generations` completions for each tokenized prompt.
+
+    Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
+    callable `model(ids, key_valid=..., cache=...) -> logits` with `new_cache(batch, max_len)`.
+    """
+    with torch.inference_mode():
+        out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
+                      stop_ids, pad_id, generator)
+    # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
+    return Generation(*(t.clone() for t in dataclasses.astuple(out)))
+
+
+def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
+            generator) -> Generation:
+    device = next(model.parameters()).device
+    G = num_generations
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+    P = p_ids.size(1)
+    cache = model.new_cache(len(prompts), P + max_new_tokens)
+    logits = model(p_ids, key_valid=p_mask, cache=cache)[:, -1]
+    cache = cache.repeat_interleave(G) if G > 1 else cache
+    logits = logits.repeat_interleave(G, dim=0)
+    B = logits.size(0)
+
+    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    mask = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    steps = 0
+    for t in range(max_new_tokens):
+        steps = t + 1
+        tok, lp = sample_next(logits, temperature, top_k, top_p, generator)
+        live = ~done
+        out[:, t] = torch.where(live, tok, pad_id)
+        logps[:, t] = torch.where(live, lp, 0.0)
+        mask[:, t] = live
+        done = done | torch.isin(tok, stops)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        logits = model(out[:, t:t + 1], cache=cache)[:, -1]
+    return Generation(
+        prompt_ids=p_ids.repeat_interleave(G, dim=0),
+        prompt_mask=p_mask.repeat_interleave(G, dim=0),
+        # columns past the last decoding step are pure padding: drop them
+        completion_ids=out[:, :steps], completion_mask=mask[:, :steps],
+        sampler_logprobs=logps[:, :steps], truncated=~done,
+    )

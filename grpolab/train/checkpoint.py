@@ -1,0 +1,70 @@
+"""Checkpoints: atomic save (temp dir, fsync, rename) and loading.
+
+Layout of checkpoints/step_N/:
+    model.safetensors      weights
+    model_config.json      architecture ({"type": "builtin-gpt", ...GPTConfig})
+    optimizer.pt           optimizer and scheduler state (present for training checkpoints)
+    trainer_state.json     step and data position
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..models import GPT, GPTConfig, CharTokenizer
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_root: str | Path, step: int, model: GPT, *, optimizer=None, scheduler=None,
+                    trainer_state: dict | None = None) -> Path:
+    """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint."""
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp_step_{step}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"))
+    (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict()}, indent=2))
+    if optimizer is not None:
+        torch.save({"optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def load_model(path: str | Path) -> tuple[GPT, CharTokenizer]:
+    """The model and tokenizer saved in a checkpoint directory."""
+    p = Path(path)
+    cfg_file = p / "model_config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{str(p)!r} is not a grpolab checkpoint (no model_config.json)")
+    meta = json.loads(cfg_file.read_text())
+    meta.pop("type", None)
+    model = GPT(GPTConfig(**meta))
+    model.load_state_dict(load_file(str(p / "model.safetensors")))
+    model.eval()
+    return model, CharTokenizer()

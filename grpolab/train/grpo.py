@@ -1,0 +1,242 @@
+"""The GRPO loop: sample groups, score, compute advantages, update, log. Read top to bottom.
+
+One step:
+    rows -> rollout engine (G completions per prompt, sampler log-probs)
+         -> reward functions (weighted total)
+         -> group-relative advantages
+         -> clipped-ratio policy loss + beta * KL(policy || reference), aggregated over the
+            global batch, accumulated over micro-batches, mu optimizer passes
+         -> metrics.jsonl, periodic eval and checkpoint
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ..algorithms.advantages import compute_advantages
+from ..algorithms.aggregate import aggregate
+from ..algorithms.kl import kl_penalty
+from ..algorithms.losses import compute_policy_loss
+from ..config import Config
+from ..eval import evaluate
+from ..rewards.combine import score
+from ..rollout.batch import RolloutBatch
+from ..rollout.engine import generate
+from .checkpoint import save_checkpoint
+from .logprobs import completion_logprobs
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier on the peak lr at optimizer step `step` (0-based): linear warmup, then the schedule."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+class PromptSampler:
+    """Deterministic pass over the train rows, reshuffled each epoch from the seed."""
+
+    def __init__(self, rows: list[dict], seed: int) -> None:
+        self.rows, self.seed = rows, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._perm(0)
+
+    def _perm(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._perm(self.epoch)
+            out.append(self.rows[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config, model, tokenizer, train_rows: list[dict], test_rows: list[dict],
+                 run_dir: str | Path, console=None) -> None:
+        self.cfg, self.model, self.tok = cfg, model, tokenizer
+        self.test_rows = test_rows[:cfg.eval.num_problems]
+        self.run_dir = Path(run_dir)
+        self.console = console
+        a, o = cfg.algorithm, cfg.optim
+        # Frozen reference for the KL term; not kept at all when beta == 0.
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.beta > 0 else None
+        self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+                                     weight_decay=o.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
+        self.sampler = PromptSampler(train_rows, cfg.train.seed)
+        self.gen = torch.Generator().manual_seed(cfg.train.seed)
+        self.step = 0
+
+    # ------------------------------------------------------------ one step, as data
+    def rollout(self) -> RolloutBatch:
+        r = self.cfg.rollout
+        rows = self.sampler.next(r.prompts_per_step)
+        G = r.num_generations
+        self.model.eval()
+        gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
+                       max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                       top_p=r.top_p, stop_ids=(self.tok.eos_id,), pad_id=self.tok.pad_id,
+                       generator=self.gen)
+        completions = [self.tok.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.completion_mask)]
+        keys = [k for k in rows[0] if k != "prompt"]
+        return RolloutBatch(
+            gen=gen, group_ids=torch.arange(len(rows)).repeat_interleave(G),
+            prompts=[x["prompt"] for x in rows for _ in range(G)], completions=completions,
+            columns={k: [x[k] for x in rows for _ in range(G)] for k in keys})
+
+    def score(self, batch: RolloutBatch) -> None:
+        w = self.cfg.reward
+        batch.rewards, batch.reward_columns = score(w.functions, w.weights, batch.prompts, batch.completions,
+                                                    batch.columns)
+        a = self.cfg.algorithm
+        batch.advantages = compute_advantages(batch.rewards, batch.group_ids, a.adv_estimator, eps=a.adv_eps,
+                                              unbiased_std=a.unbiased_std, scale_rewards=a.scale_rewards)
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        mb = self.cfg.optim.micro_batch_size or n
+        return [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
+
+    def _logprobs(self, model, g, sl: slice, **kw):
+        return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
+                                   g.completion_mask[sl], self.cfg.rollout.temperature, **kw)
+
+    def update(self, batch: RolloutBatch) -> dict:
+        """mu optimizer passes over the batch; returns loss/KL/clip/entropy metrics."""
+        a, g = self.cfg.algorithm, batch.gen
+        mask = g.completion_mask.float()
+        n_tok = float(mask.sum())
+        n_seq = float((mask.sum(-1) > 0).sum())
+        slices = self._micro_batches(len(batch))
+        agg = dict(global_tokens=n_tok, global_seqs=n_seq, max_new_tokens=self.cfg.rollout.max_new_tokens)
+
+        # Reference and old-policy log-probs in no-grad passes. With mu == 1 the old policy
+        # is the current one, so the ratio is exactly 1 and old log-probs are the detached logp.
+        with torch.no_grad():
+            ref_lp = torch.cat([self._logprobs(self.ref, g, s) for s in slices]) if self.ref is not None else None
+            self.model.eval()
+            old_lp = torch.cat([self._logprobs(self.model, g, s) for s in slices]) if a.num_iterations > 1 else None
+
+        self.model.train()
+        sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_ratio/low_sum": 0.0, "clip_ratio/high_sum": 0.0,
+                "clip_ratio/region_sum": 0.0}
+        grad_norms = []
+        for _ in range(a.num_iterations):
+            self.opt.zero_grad(set_to_none=True)
+            for s in slices:
+                logp, ent = self._logprobs(self.model, g, s, with_entropy=True)
+                m = g.completion_mask[s]
+                old = old_lp[s] if old_lp is not None else logp.detach()
+                loss, cm = compute_policy_loss(logp, old, batch.advantages[s], m, policy_loss=a.policy_loss,
+                                               loss_agg_mode=a.loss_agg_mode, epsilon=a.epsilon,
+                                               epsilon_high=a.epsilon_high, clip_ratio_c=a.clip_ratio_c, **agg)
+                if self.ref is not None:
+                    kl = kl_penalty(logp, ref_lp[s], a.kl_estimator)
+                    loss = loss + a.beta * aggregate(kl, m, a.loss_agg_mode, **agg)
+                    sums["kl"] += float((kl.detach() * m).sum())
+                loss.backward()
+                sums["loss"] += float(loss.detach())
+                sums["entropy"] += float((ent * m).sum())
+                for k, v in cm.items():
+                    sums[k] += v
+            max_norm = self.cfg.optim.max_grad_norm or float("inf")
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+            self.opt.step()
+        self.sched.step()
+        self.model.eval()
+        passes = a.num_iterations
+        out = {"loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
+               "entropy": sums["entropy"] / passes / max(n_tok, 1)}
+        if self.ref is not None:
+            out["kl"] = sums["kl"] / passes / max(n_tok, 1)
+        for k in ("low", "high", "region"):
+            out[f"clip_ratio/{k}_mean"] = sums[f"clip_ratio/{k}_sum"] / passes / max(n_tok, 1)
+        return out
+
+    # ------------------------------------------------------------ the loop
+    def evaluate(self) -> dict:
+        e = self.cfg.eval
+        res = evaluate(self.model, self.tok, self.test_rows, k=e.k, temperature=e.temperature,
+                       max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
+                       seed=self.cfg.train.seed)
+        res.pop("samples")
+        return res
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        batch = self.rollout()
+        t1 = time.perf_counter()
+        self.score(batch)
+        t2 = time.perf_counter()
+        upd = self.update(batch)
+        t3 = time.perf_counter()
+        self.step += 1
+
+        r, mask = batch.rewards, batch.gen.completion_mask
+        G = self.cfg.rollout.num_generations
+        lengths = mask.sum(-1).float()
+        gen_tokens = float(lengths.sum())
+        metrics = {"step": self.step, "reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+                   "frac_reward_zero_std": float((r.view(-1, G).std(-1) == 0).float().mean())}
+        for name, col in batch.reward_columns.items():
+            valid = col[~torch.isnan(col)]
+            metrics[f"rewards/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
+            metrics[f"rewards/{name}/std"] = float(valid.std()) if len(valid) > 1 else 0.0
+        metrics.update(upd)
+        metrics["completions/mean_length"] = float(lengths.mean())
+        metrics["completions/clipped_ratio"] = float(batch.gen.truncated.float().mean())
+        metrics["lr"] = self.opt.param_groups[0]["lr"]
+        metrics["time/generate"] = t1 - t0
+        metrics["time/reward"] = t2 - t1
+        metrics["time/update"] = t3 - t2
+        metrics["time/step"] = t3 - t0
+        metrics["perf/gen_tokens_per_sec"] = gen_tokens / max(t1 - t0, 1e-9)
+        self.last_batch = batch
+        return metrics
+
+    def train(self) -> list[dict]:
+        """Run train.max_steps steps, writing metrics.jsonl and checkpoints. Returns all step metrics."""
+        t = self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        history = []
+        start = time.perf_counter()
+        with open(self.run_dir / "metrics.jsonl", "w") as f:
+            while self.step < t.max_steps:
+                m = self.train_step()
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                    m.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                history.append(m)
+                f.write(json.dumps(m) + "\n")
+                f.flush()
+                if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
+                    self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
+                if t.save_every and self.step % t.save_every == 0:
+                    self.save()
+        self.save()
+        return history
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, optimizer=self.opt,
+                               scheduler=self.sched, trainer_state={"sampler": self.sampler.state()})

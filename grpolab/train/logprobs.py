@@ -1,0 +1,30 @@
+"""Per-token log-probs of completion tokens, recomputed from the sampled token ids."""
+
+from __future__ import annotations
+
+import torch
+
+
+def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                        completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                        temperature: float = 1.0, with_entropy: bool = False):
+    """log softmax(logits / T) of each completion token, (B, C); 0 at masked positions.
+
+    One forward over [left-padded prompt | completion]; the logits at position j predict
+    token j+1, so completion token t is scored by the logits at P - 1 + t. With
+    with_entropy, also returns the per-token entropy of that distribution (detached).
+    """
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    valid = torch.cat([prompt_mask, completion_mask], dim=1)
+    P, C = prompt_ids.size(1), completion_ids.size(1)
+    logits = model(ids[:, :-1], key_valid=valid[:, :-1])[:, P - 1:P - 1 + C].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1)
+    logp = logp * completion_mask
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

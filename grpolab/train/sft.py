@@ -1,0 +1,71 @@
+"""Supervised warm start: next-token cross-entropy on solved problems, loss on the answer only.
+
+The demo keeps this deliberately short so the model is right some of the time and RL has
+room to help (a fully trained model leaves GRPO nothing to do).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import torch
+import torch.nn.functional as F
+
+from ..config import SFTConfig
+
+
+def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, key_valid, loss_mask), right-padded. loss_mask marks the answer tokens to predict."""
+    seqs, starts = [], []
+    for r in rows:
+        p = tokenizer.render_prompt(r["prompt"])
+        seqs.append(p + tokenizer.render_completion(r["answer"]))
+        starts.append(len(p))
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.long)
+    valid = torch.zeros((len(seqs), width), dtype=torch.bool)
+    loss_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        valid[i, :len(s)] = True
+        loss_mask[i, st:len(s)] = True
+    return ids, valid, loss_mask
+
+
+def sft_loss(model, ids: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1], key_valid=valid[:, :-1])
+    target_mask = loss_mask[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    return (ce * target_mask.flatten()).sum() / target_mask.sum().clamp(min=1)
+
+
+def train_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, seed: int = 0,
+              log=None) -> list[float]:
+    """Train in place on `rows` (cycled, reshuffled each epoch). Returns the per-step losses."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * max(0.0, 1 - s / max(1, cfg.steps)))
+    model.train()
+    losses = []
+    t0 = time.time()
+    for step in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            perm = list(range(len(rows)))
+            rng.shuffle(perm)
+            order += perm
+        batch = [rows[i] for i in order[:cfg.batch_size]]
+        del order[:cfg.batch_size]
+        loss = sft_loss(model, *sft_batch(tokenizer, batch))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log and (step % 50 == 0 or step == cfg.steps - 1):
+            log(f"sft step {step + 1}/{cfg.steps}  loss {loss.item():.4f}  ({time.time() - t0:.0f}s)")
+    model.eval()
+    return losses

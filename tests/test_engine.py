@@ -1,0 +1,88 @@
+import math
+
+import torch
+
+from grpolab.rollout.engine import generate
+from grpolab.rollout.sampling import filter_logits
+from grpolab.train.logprobs import completion_logprobs
+
+
+def _prompts(tok):
+    return [tok.render_prompt(p) for p in ("Mia has 7 shells.", "Sum 1+2?", "Ok")]
+
+
+def test_sampler_logprobs_equal_model_logprobs_of_sampled_tokens(tiny_gpt, tok):
+    for temperature in (1.0, 0.7):
+        g = generate(tiny_gpt, _prompts(tok), num_generations=4, max_new_tokens=12, temperature=temperature,
+                     stop_ids=(tok.eos_id,), pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
+        # independent recomputation: run each row alone, unpadded, and gather log softmax(logits / T)
+        for i in range(g.completion_ids.size(0)):
+            prompt = g.prompt_ids[i][g.prompt_mask[i]]
+            comp = g.completion_ids[i][g.completion_mask[i]]
+            seq = torch.cat([prompt, comp])[None]
+            logits = tiny_gpt(seq)[0, len(prompt) - 1:-1] / temperature
+            want = logits.log_softmax(-1).gather(-1, comp[:, None]).squeeze(-1)
+            torch.testing.assert_close(g.sampler_logprobs[i][g.completion_mask[i]], want, atol=1e-5, rtol=1e-5)
+        lp = completion_logprobs(tiny_gpt, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask,
+                                 temperature)
+        torch.testing.assert_close(lp, g.sampler_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_are_grouped_and_seeded(tiny_gpt, tok):
+    kw = dict(num_generations=3, max_new_tokens=10, temperature=1.0, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
+    a = generate(tiny_gpt, _prompts(tok), generator=torch.Generator().manual_seed(5), **kw)
+    b = generate(tiny_gpt, _prompts(tok), generator=torch.Generator().manual_seed(5), **kw)
+    c = generate(tiny_gpt, _prompts(tok), generator=torch.Generator().manual_seed(6), **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    assert a.completion_ids.size(0) == 9
+    for i in range(9):  # row i belongs to prompt i // 3
+        want = torch.tensor(_prompts(tok)[i // 3])
+        assert torch.equal(a.prompt_ids[i][a.prompt_mask[i]], want)
+
+
+def test_stop_token_ends_a_row_and_truncation_is_flagged(tiny_gpt, tok):
+    # Make the end token overwhelmingly likely: every row must stop after exactly one token.
+    bias = torch.zeros(tok.vocab_size)
+    bias[tok.eos_id] = 100.0
+
+    class Biased(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *a, **k):
+            return self.m(*a, **k) + bias
+
+        def new_cache(self, *a):
+            return self.m.new_cache(*a)
+
+    g = generate(Biased(tiny_gpt), _prompts(tok), num_generations=2, max_new_tokens=8, temperature=1.0,
+                 stop_ids=(tok.eos_id,), pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
+    assert g.completion_mask.sum(-1).tolist() == [1] * 6
+    assert not g.truncated.any()
+    # no stop token possible: every row runs to max_new_tokens and is flagged truncated
+    g = generate(tiny_gpt, _prompts(tok), num_generations=2, max_new_tokens=5, temperature=1.0, stop_ids=(),
+                 pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
+    assert g.completion_ids.shape == (6, 5) and g.truncated.all() and g.completion_mask.all()
+
+
+def test_greedy_is_argmax_and_deterministic(tiny_gpt, tok):
+    g = generate(tiny_gpt, _prompts(tok)[:1], max_new_tokens=6, temperature=0.0, pad_id=tok.pad_id)
+    seq = torch.tensor(_prompts(tok)[0])
+    for t in range(6):
+        nxt = tiny_gpt(seq[None])[0, -1].argmax()
+        assert int(nxt) == int(g.completion_ids[0, t])
+        seq = torch.cat([seq, nxt[None]])
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+    k2 = filter_logits(logits, top_k=2)
+    assert torch.isfinite(k2).tolist() == [[True, True, False, False]]
+    # nucleus 0.7: 0.5 alone is below 0.7, 0.5+0.3 reaches it -> keep the first two
+    p = filter_logits(logits, top_p=0.7)
+    assert torch.isfinite(p).tolist() == [[True, True, False, False]]
+    p = filter_logits(logits, top_p=0.81)
+    assert torch.isfinite(p).tolist() == [[True, True, True, False]]
+    assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]

@@ -34,7 +34,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # key=value overrides may come before or after options: argparse leaves the later ones unparsed
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = list(args.overrides) + extra
     try:
         from . import pipeline  # imported late so `grpolab --help` is instant
 

@@ -32,12 +32,12 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 500               # supervised warm-start steps before RL (0 = none)
+    steps: int = 800               # supervised warm-start steps before RL (0 = none)
     batch_size: int = 32           # solved problems per step
     lr: float = 3e-3               # peak learning rate (linear warmup, then linear decay to 0)
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    warmup_steps: int = 20         # linear warmup steps of the warm start
+    weight_decay: float = 0.0      # AdamW weight decay of the warm start
+    max_grad_norm: float = 1.0     # gradient clipping of the warm start
     bare_fraction: float = 0.5     # share of warm-start answers given as '#### N' alone, without steps
 
 
@@ -48,8 +48,8 @@ class DataConfig:
     test_size: int = 200           # held-out problems for evaluation (disjoint from train)
     min_ops: int = 2               # arithmetic difficulty: operations per problem ...
     max_ops: int = 3
-    max_operand: int = 10          # ... size of the numbers added/removed ...
-    max_value: int = 60            # ... and the largest intermediate result
+    max_operand: int = 9           # ... size of the numbers added/removed ...
+    max_value: int = 30            # ... and the largest intermediate result
     allow_mul: bool = True         # include 'doubles'/'triples' steps
 
 
@@ -71,26 +71,27 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"    # grpo | dr_grpo
+    adv_estimator: str = "grpo"    # grpo (z-score in the group) | dr_grpo (r - group mean)
     scale_rewards: str = "group"   # grpo: group | batch | none (none = mean-only advantages)
     adv_eps: float = 1e-4          # added to the std in (r - mean) / (std + eps)
     unbiased_std: bool = False     # use n-1 in the group std
-    policy_loss: str = "clip"      # clip
+    policy_loss: str = "clip"      # clip (PPO/GRPO clipped importance ratio)
     epsilon: float = 0.2           # lower clip range: ratio >= 1 - epsilon
     epsilon_high: float | None = None  # upper clip range (None = epsilon; DAPO uses 0.28)
     clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (e.g. 3.0); None = off
-    beta: float = 0.04             # KL coefficient to the frozen reference; 0 = no reference model kept
-    kl_estimator: str = "k3"       # k1 | k2 | k3
+    beta: float = 0.0              # KL coefficient to the frozen reference; 0 = no reference model kept
+    #                                (TRL's default; DeepSeekMath's GRPO used 0.04)
+    kl_estimator: str = "k3"       # k1 | k2 | k3 (Schulman's estimators; k3 is GRPO's)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     num_iterations: int = 1        # mu: optimizer passes over each rollout batch
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-4               # peak AdamW learning rate for RL
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
+    lr: float = 1e-4               # peak AdamW learning rate for RL (tiny models need it small)
+    weight_decay: float = 0.0      # AdamW weight decay
+    beta1: float = 0.9             # AdamW momentum coefficients ...
+    beta2: float = 0.99            # (beta1, beta2)
     warmup_steps: int = 5          # linear warmup from 0
     lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at train.max_steps)
     max_grad_norm: float = 1.0     # gradient clipping; 0 = off

@@ -140,6 +140,7 @@ class GRPOTrainer:
             old_lp = torch.cat([self._logprobs(self.model, g, s) for s in slices]) if a.num_iterations > 1 else None
 
         self.model.train()
+        lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_ratio/low_sum": 0.0, "clip_ratio/high_sum": 0.0,
                 "clip_ratio/region_sum": 0.0}
         grad_norms = []
@@ -167,7 +168,7 @@ class GRPOTrainer:
         self.sched.step()
         self.model.eval()
         passes = a.num_iterations
-        out = {"loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
+        out = {"lr": lr, "loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
                "entropy": sums["entropy"] / passes / max(n_tok, 1)}
         if self.ref is not None:
             out["kl"] = sums["kl"] / passes / max(n_tok, 1)
@@ -207,7 +208,6 @@ class GRPOTrainer:
         metrics.update(upd)
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = float(batch.gen.truncated.float().mean())
-        metrics["lr"] = self.opt.param_groups[0]["lr"]
         metrics["time/generate"] = t1 - t0
         metrics["time/reward"] = t2 - t1
         metrics["time/update"] = t3 - t2

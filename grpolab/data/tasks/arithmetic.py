@@ -1,6 +1,6 @@
 """Synthetic arithmetic word problems, GSM8K-style: one step per line, then '#### <answer>'.
 
-    prompt: "Mia has 7 shells. She finds 5 more, then gives away 3. How many shells now?"
+    prompt: "Mia has 7 shells, finds 5 more, gives away 3. How many now?"
     answer: "7+5=12\n12-3=9\n#### 9"
 
 Train and test are disjoint by construction: a problem's split is fixed by a hash of its
@@ -13,8 +13,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-NAMES = [("Mia", "She"), ("Leo", "He"), ("Ava", "She"), ("Sam", "He"), ("Zoe", "She"),
-         ("Max", "He"), ("Ivy", "She"), ("Ben", "He"), ("Amy", "She"), ("Tom", "He")]
+# Terse on purpose: the character model pays for every prompt character in every forward pass.
+NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Amy", "Tom"]
 ITEMS = ["apples", "shells", "coins", "books", "pens", "stamps", "cards", "eggs", "marbles", "beads"]
 ADD = ["finds {n} more", "buys {n} more", "gets {n} more", "is given {n} more"]
 SUB = ["gives away {n}", "loses {n}", "sells {n}", "uses {n}"]
@@ -38,20 +38,18 @@ def _split_of(prompt: str, test_fraction: float) -> str:
 
 
 def make_problem(rng: random.Random, cfg: ArithmeticConfig) -> dict:
-    name, pron = rng.choice(NAMES)
+    name = rng.choice(NAMES)
     item = rng.choice(ITEMS)
     value = rng.randint(2, cfg.max_operand)
     start = value
     phrases, steps = [], []
     for _ in range(rng.randint(cfg.min_ops, cfg.max_ops)):
-        choices = ["add", "sub"] + (["mul"] if cfg.allow_mul else [])
+        # only operations that keep the result inside [0, max_value]
+        choices = (["add"] if value < cfg.max_value else []) + (["sub"] if value > 0 else []) \
+            + (["mul"] if cfg.allow_mul and 0 < value and value * 2 <= cfg.max_value else [])
         op = rng.choice(choices)
-        if op == "mul" and value * 2 > cfg.max_value:
-            op = "sub"
-        if op == "sub" and value == 0:
-            op = "add"
         if op == "add":
-            n = rng.randint(1, min(cfg.max_operand, cfg.max_value - value) or 1)
+            n = rng.randint(1, min(cfg.max_operand, cfg.max_value - value))
             phrase, new, line = rng.choice(ADD).format(n=n), value + n, f"{value}+{n}={value + n}"
         elif op == "sub":
             n = rng.randint(1, min(cfg.max_operand, value))
@@ -62,8 +60,8 @@ def make_problem(rng: random.Random, cfg: ArithmeticConfig) -> dict:
         phrases.append(phrase)
         steps.append(line)
         value = new
-    story = f"{name} has {start} {item}. {pron} {', then '.join(phrases)}."
-    return {"prompt": f"{story} How many {item} now?", "answer": "\n".join(steps) + f"\n#### {value}"}
+    return {"prompt": f"{name} has {start} {item}, {', '.join(phrases)}. How many now?",
+            "answer": "\n".join(steps) + f"\n#### {value}"}
 
 
 def generate(split: str, n: int, seed: int = 0, cfg: ArithmeticConfig | None = None) -> list[dict]:

@@ -1,0 +1,70 @@
+import pytest
+
+from grpolab.config import Config, ConfigError, load_config
+from conftest import run_cli
+
+
+def test_defaults_validate_and_required_keys_exist():
+    cfg = load_config()
+    for key in ("train.max_steps", "train.output_dir", "train.seed", "train.save_every", "rollout.num_generations",
+                "rollout.max_new_tokens", "rollout.temperature", "algorithm.beta", "algorithm.epsilon", "optim.lr"):
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name), key
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  temperature: 0.7\n  num_generations: 4\noptim:\n  lr: 3e-5\n")
+    cfg = load_config(p, ["rollout.num_generations=6", "algorithm.epsilon_high=0.28"])
+    assert cfg.rollout.temperature == 0.7 and cfg.rollout.num_generations == 6
+    assert cfg.optim.lr == pytest.approx(3e-5)  # YAML reads '3e-5' as a string: still a float here
+    assert cfg.algorithm.epsilon_high == 0.28
+    assert isinstance(Config().to_dict()["rollout"], dict)
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("rollout.temprature=0.5", "unknown config key 'rollout.temprature'; did you mean rollout.temperature?"),
+    ("nosuch.key=1", "unknown config key 'nosuch.key'"),
+    ("rollout.temperature=hot", "rollout.temperature: expected float, got 'hot'"),
+    ("rollout.temperature=0", "rollout.temperature: must be > 0"),
+    ("rollout.num_generations=1", "rollout.num_generations: must be >= 2"),
+    ("algorithm.epsilon=1.5", "algorithm.epsilon: must be in (0, 1)"),
+    ("algorithm.beta=-1", "algorithm.beta: must be >= 0"),
+    ("optim.lr_schedule=step", "optim.lr_schedule: 'step' is not one of constant, linear, cosine"),
+    ("reward.functions=[nope]", "reward.functions: unknown reward 'nope'"),
+    ("reward.weights=[1.0,2.0]", "reward.weights: 2 weights for 1 functions"),
+    ("train.max_steps=2.5", "train.max_steps: expected int, got 2.5"),
+    ("model.n_embd=100", "model.n_embd: 100 must be a multiple of 2*model.n_head"),
+    ("rollout.max_new_tokens", "must look like section.key=value"),
+])
+def test_bad_values_name_the_key_and_the_fix(override, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert msg in str(e.value)
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    r = run_cli("train", "rollout.temprature=0.5", f"train.output_dir={tmp_path / 'run'}")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("grpolab: config error: unknown config key 'rollout.temprature'; "
+                                "did you mean rollout.temperature?")
+    assert "Traceback" not in r.stdout + r.stderr
+    assert not (tmp_path / "run").exists()  # nothing written for a config that does not validate
+
+
+def test_cli_missing_config_file_and_bad_yaml(tmp_path):
+    r = run_cli("train", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    r = run_cli("train", str(bad))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_readme_documents_every_config_key():
+    import dataclasses
+    from conftest import ROOT
+    readme = (ROOT / "README.md").read_text()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            assert f"`{section.name}.{f.name}`" in readme, f"{section.name}.{f.name} missing from README"

@@ -7,19 +7,24 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: demo test venv clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# The demo needs only the core (torch & co.); the tests add the Hugging Face stack.
+$(VENV)/.core: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(PY) -m pip install -q "$(TORCH)" || $(PY) -m pip install -q torch
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.full: $(VENV)/.core
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.full
 
-demo: venv
+demo: $(VENV)/.core
 	$(VENV)/bin/grpolab demo
 
-test: venv
+test: $(VENV)/.full
 	$(PY) -m pytest
 
 clean:

@@ -25,12 +25,29 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
-    e = sub.add_parser("eval", help="evaluate a checkpoint on the held-out split")
-    e.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N)")
+    e = sub.add_parser("eval", help="evaluate a checkpoint or Hugging Face model on the held-out split")
+    e.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N) or Hugging Face model dir")
     e.add_argument("--config", default=None, help="YAML config for data/eval settings")
     e.add_argument("--out", default=None, help="where to write eval.json (default: the checkpoint dir)")
     e.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    m = sub.add_parser("tiny-model", help="write a tiny random Llama + BPE tokenizer (HF layout) for CPU runs")
+    m.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
+    m.add_argument("--data", default=None, help="jsonl file whose 'question'/'prompt' and 'answer' texts "
+                                                  "train the tokenizer (default: arithmetic problems)")
+    m.add_argument("--vocab-size", type=int, default=512)
     return p
+
+
+def _tiny_model(args) -> None:
+    import json
+    from .models.tiny_hf import save_tiny_model
+    texts = None
+    if args.data:
+        with open(args.data) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        texts = [str(r.get("question", r.get("prompt", ""))) + "\n" + str(r.get("answer", "")) for r in rows]
+    print(f"wrote {save_tiny_model(args.out, texts, vocab_size=args.vocab_size)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides = list(args.overrides) + extra
+    args.overrides = list(getattr(args, "overrides", [])) + extra
     try:
         from . import pipeline  # imported late so `grpolab --help` is instant
+        from .data.loading import DataError
+        from .rewards.errors import RewardError
 
         if args.command == "demo":
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
@@ -57,13 +76,20 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.run_train(load_config(config_path, overrides))
         elif args.command == "eval":
             pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
+        elif args.command == "tiny-model":
+            _tiny_model(args)
         return 0
     except ConfigError as e:
         if args.debug:
             raise
         print(f"grpolab: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (DataError, RewardError) as e:
+        if args.debug:
+            raise
+        print(f"grpolab: {type(e).__name__.replace('Error', '').lower()} error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotADirectoryError, PermissionError, ImportError) as e:
         if args.debug:
             raise
         print(f"grpolab: error: {e}", file=sys.stderr)

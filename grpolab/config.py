@@ -22,8 +22,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "builtin"  # "builtin" = the tiny GPT with the character tokenizer
+    name_or_path: str = "builtin"  # "builtin" = the tiny GPT with the character tokenizer; otherwise a
+    #                                Hugging Face causal LM: local directory or hub id (no warm start)
     init_from: str | None = None   # checkpoint dir (…/checkpoints/step_N) to start from; skips sft
+    dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and compute; HF models)
+    device: str = "cpu"            # cpu | cuda | cuda:N | auto (cuda when available)
+    trust_remote_code: bool = False  # HF models: allow custom modelling code from the model repo
     n_layer: int = 4               # builtin only: transformer blocks
     n_head: int = 4                # builtin only: attention heads (must divide n_embd)
     n_embd: int = 128              # builtin only: width
@@ -32,20 +36,35 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 800               # supervised warm-start steps before RL (0 = none)
+    steps: int = 600               # supervised warm-start steps before RL (0 = none)
     batch_size: int = 32           # solved problems per step
     lr: float = 3e-3               # peak learning rate (linear warmup, then linear decay to 0)
     warmup_steps: int = 20         # linear warmup steps of the warm start
     weight_decay: float = 0.0      # AdamW weight decay of the warm start
     max_grad_norm: float = 1.0     # gradient clipping of the warm start
-    bare_fraction: float = 0.5     # share of warm-start answers given as '#### N' alone, without steps
+    bare_fraction: float = 0.5     # share of answers given as '#### N' alone (a guess, no steps) ...
+    bare_steps: int = 100          # ... in the last N warm-start steps (before them: worked answers only;
+    #                                0, or >= sft.steps = mix bare answers in from the first step)
 
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"       # built-in synthetic word problems ('#### N' answers)
-    train_size: int = 20000        # problems generated for the train split (sft and RL prompts)
-    test_size: int = 200           # held-out problems for evaluation (disjoint from train)
+    task: str = "arithmetic"       # arithmetic (built-in synthetic word problems) | gsm8k | files
+    train_path: str | None = None  # gsm8k: jsonl file, dir with train/test.jsonl, or hub id (default
+    #                                openai/gsm8k); files: .jsonl/.json/.parquet, a `datasets` dir or hub name
+    test_path: str | None = None   # held-out rows; None = train_path's data.test_split (dirs and hub)
+    train_split: str = "train"     # split names inside a dataset dir / hub dataset
+    test_split: str = "test"
+    dataset_config: str | None = None  # hub dataset config name (e.g. 'main' for openai/gsm8k)
+    prompt_key: str = "prompt"     # files: column holding the prompt (text, or a list of {role, content})
+    answer_key: str | None = "answer"  # files: column with the reference (verl rows: reward_model.ground_truth
+    #                                is used when this column is absent); null = no reference
+    system_prompt: str | None = None   # prepended as a system message (prompts become conversational)
+    prompt_suffix: str | None = None   # appended to the (last user) prompt, e.g. an answer-format instruction
+    max_prompt_length: int = 512   # prompts longer than this many tokens are dropped or rejected; 0 = no limit
+    on_long_prompt: str = "drop"   # drop (with a count in the log) | error
+    train_size: int = 20000        # arithmetic: problems generated for the train split; others: max rows (0 = all)
+    test_size: int = 200           # arithmetic: held-out problems generated (disjoint from train)
     min_ops: int = 2               # arithmetic difficulty: operations per problem ...
     max_ops: int = 3
     max_operand: int = 9           # ... size of the numbers added/removed ...
@@ -115,6 +134,8 @@ class EvalConfig:
     k: int = 8                     # samples per problem for pass@k
     temperature: float = 1.0       # sampling temperature for pass@k (greedy accuracy uses argmax)
     batch_size: int = 512          # completions decoded together
+    reward: str = "gsm8k_accuracy" # correctness check for greedy accuracy / pass@k / maj@k (math_accuracy
+    #                                for \boxed{} and LaTeX answers)
 
 
 @dataclass
@@ -208,6 +229,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str) and not raw.strip().startswith(("'", '"')):
+        value = raw.strip()  # plain text as typed: YAML would cut 'Answer after ####' at the '#'
     return key.strip(), value
 
 
@@ -259,8 +282,10 @@ def validate(cfg: Config) -> None:
     from .rewards import REWARDS
 
     m = cfg.model
-    _need(m.name_or_path == "builtin",
-          f"model.name_or_path: {m.name_or_path!r} is not supported yet; use 'builtin'")
+    _need(bool(m.name_or_path), "model.name_or_path: give 'builtin' or a Hugging Face model directory / hub id")
+    _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _need(m.device in ("cpu", "cuda", "auto") or m.device.startswith("cuda:"),
+          f"model.device: {m.device!r} is not one of cpu, cuda, cuda:N, auto")
     for k in ("n_layer", "n_head", "n_embd", "block_size"):
         _need(getattr(m, k) >= 1, f"model.{k}: must be >= 1")
     _need(m.n_embd % m.n_head == 0 and (m.n_embd // m.n_head) % 2 == 0,
@@ -271,10 +296,15 @@ def validate(cfg: Config) -> None:
     _need(s.batch_size >= 1, "sft.batch_size: must be >= 1")
     _need(s.lr > 0, "sft.lr: must be > 0")
     _need(0 <= s.bare_fraction <= 1, "sft.bare_fraction: must be in [0, 1]")
+    _need(s.bare_steps >= 0, "sft.bare_steps: must be >= 0")
 
     d = cfg.data
-    _choice("data.task", d.task, ("arithmetic",))
-    _need(d.train_size >= 1, "data.train_size: must be >= 1")
+    _choice("data.task", d.task, ("arithmetic", "gsm8k", "files"))
+    _need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
+    _need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
+    _choice("data.on_long_prompt", d.on_long_prompt, ("drop", "error"))
+    _need(bool(d.prompt_key), "data.prompt_key: must name the prompt column")
+    _need(d.train_size >= 0 and (d.task != "arithmetic" or d.train_size >= 1), "data.train_size: must be >= 1")
     _need(d.test_size >= 1, "data.test_size: must be >= 1")
     _need(1 <= d.min_ops <= d.max_ops, "data.min_ops: must satisfy 1 <= data.min_ops <= data.max_ops")
     _need(d.max_operand >= 2, "data.max_operand: must be >= 2")
@@ -294,7 +324,10 @@ def validate(cfg: Config) -> None:
     w = cfg.reward
     _need(len(w.functions) >= 1, "reward.functions: list at least one reward, e.g. [gsm8k_accuracy]")
     for name in w.functions:
-        _need(name in REWARDS, f"reward.functions: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}")
+        _need(isinstance(name, str) and bool(name), f"reward.functions: {name!r} is not a reward name")
+        _need(name in REWARDS or ":" in name,
+              f"reward.functions: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}; or give "
+              f"'package.module:function', 'path/to/file.py:function' or 'rm:<model dir or hub id>'")
     if w.weights is not None:
         _need(len(w.weights) == len(w.functions),
               f"reward.weights: {len(w.weights)} weights for {len(w.functions)} functions; give one per function")
@@ -335,3 +368,4 @@ def validate(cfg: Config) -> None:
     _need(e.k >= 1, "eval.k: must be >= 1")
     _need(e.temperature > 0, "eval.temperature: must be > 0")
     _need(e.batch_size >= 1, "eval.batch_size: must be >= 1")
+    _choice("eval.reward", e.reward, ("gsm8k_accuracy", "math_accuracy"))

@@ -7,8 +7,22 @@ from math import comb
 
 import torch
 
-from .rewards.answers import extract_hash_answer, gsm8k_accuracy, reference_answer
+from .rewards import get_reward
+from .rewards.answers import extract_hash_answer
 from .rollout.engine import generate
+
+
+def answer_key(completion: str, reward: str) -> str | None:
+    """What maj@k votes on: the completion's final answer as the eval reward reads it."""
+    if reward == "math_accuracy":
+        from .rewards.math_answers import parse_completion
+        try:
+            parsed = parse_completion(completion)
+        except Exception:  # noqa: BLE001 - an unparseable sample casts no vote
+            return None
+        return str(parsed[-1]) if parsed else None
+    got = extract_hash_answer(completion)
+    return str(got) if got is not None else None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -30,37 +44,43 @@ def _chunks(seq: list, size: int):
 
 
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
-             max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0) -> dict:
+             max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
+             reward: str = "gsm8k_accuracy") -> dict:
     """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k.
 
-    Returns a metrics dict plus 'samples': one record per problem.
+    `reward` names the correctness check (gsm8k_accuracy or math_accuracy). maj@k takes
+    the most common final answer among the k samples and counts it right when the samples
+    giving it are right. Returns a metrics dict plus 'samples': one record per problem.
     """
+    check = get_reward(reward)
     prompts = [tokenizer.render_prompt(r["prompt"]) for r in rows]
     answers = [r["answer"] for r in rows]
-    stop = (tokenizer.eos_id,)
+    stop = tokenizer.stop_ids
     greedy: list[str] = []
     for chunk in _chunks(prompts, batch_size):
         greedy += _decode(tokenizer, generate(model, chunk, num_generations=1, max_new_tokens=max_new_tokens,
                                               temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id))
-    greedy_ok = gsm8k_accuracy(None, greedy, answers)
+    greedy_ok = [v == 1.0 for v in check(None, greedy, answer=answers)]
     out = {"greedy_accuracy": sum(greedy_ok) / len(rows)}
     samples: list[str] = []
     if k > 1:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
         per = max(1, batch_size // k)
         for chunk in _chunks(prompts, per):
             samples += _decode(tokenizer, generate(model, chunk, num_generations=k, max_new_tokens=max_new_tokens,
                                                    temperature=temperature, stop_ids=stop,
                                                    pad_id=tokenizer.pad_id, generator=gen))
-        ok = gsm8k_accuracy(None, samples, [a for a in answers for _ in range(k)])
+        ok = [v == 1.0 for v in check(None, samples, answer=[a for a in answers for _ in range(k)])]
         correct = [int(sum(ok[i * k:(i + 1) * k])) for i in range(len(rows))]
         for j in sorted({1, k} | {x for x in (2, 4) if x < k}):
             out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(rows)
         maj = 0
         for i in range(len(rows)):
-            votes = Counter(a for a in (extract_hash_answer(s) for s in samples[i * k:(i + 1) * k]) if a is not None)
-            if votes and votes.most_common(1)[0][0] == reference_answer(answers[i]):
-                maj += 1
+            keys = [answer_key(s, reward) for s in samples[i * k:(i + 1) * k]]
+            votes = Counter(a for a in keys if a is not None)
+            if votes:
+                top = votes.most_common(1)[0][0]
+                maj += ok[i * k + keys.index(top)]
         out[f"maj@{k}"] = maj / len(rows)
     out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
                        **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}

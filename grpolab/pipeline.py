@@ -10,10 +10,13 @@ import torch
 import yaml
 
 from .config import Config
+from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
 from .data.tasks import arithmetic
+from .data.tasks.gsm8k import load_gsm8k
 from .eval import evaluate
 from .logging.console import Console
 from .models import CharTokenizer, build_builtin
+from .models.hf import load_hf, resolve_device
 from .train.checkpoint import load_model
 from .train.grpo import GRPOTrainer
 from .train.sft import train_sft
@@ -28,25 +31,79 @@ def setup_torch(cfg: Config) -> None:
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows), each row with 'prompt', 'answer' and any other columns."""
     d = cfg.data
-    task = arithmetic.ArithmeticConfig(min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand,
-                                       max_value=d.max_value, allow_mul=d.allow_mul)
-    return (arithmetic.generate("train", d.train_size, cfg.train.seed, task),
-            arithmetic.generate("test", d.test_size, cfg.train.seed, task))
+    if d.task == "arithmetic":
+        task = arithmetic.ArithmeticConfig(min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand,
+                                           max_value=d.max_value, allow_mul=d.allow_mul)
+        return (arithmetic.generate("train", d.train_size, cfg.train.seed, task),
+                arithmetic.generate("test", d.test_size, cfg.train.seed, task))
+    if d.task == "gsm8k":
+        source = d.train_path or "openai/gsm8k"
+        train = load_gsm8k(source, d.train_split)
+        test = load_gsm8k(d.test_path, None) if d.test_path else load_gsm8k(source, d.test_split)
+        # the suffix and system prompt apply to GSM8K as to any dataset
+        train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
+                                      source=source) for r in (train, test))
+    else:
+        train, test = (_read_split(d, path, split) for path, split in
+                       ((d.train_path, d.train_split), (d.test_path or d.train_path, d.test_split)))
+    return (train[:d.train_size] if d.train_size else train), test
+
+
+def _read_split(d, path: str, split: str) -> list[dict]:
+    if d.test_path is None and path == d.train_path and split == d.test_split and Path(path).is_file():
+        raise DataError(f"data.test_path: {path!r} is a single file, so it has no test split; "
+                        f"give a held-out file in data.test_path")
+    return normalize_rows(read_records(path, split, d.dataset_config), prompt_key=d.prompt_key,
+                          answer_key=d.answer_key, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
+                          source=path)
+
+
+def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, split: str) -> list[dict]:
+    """Drop (or reject) prompts longer than data.max_prompt_length, or than leaves room in the
+    model's context for rollout.max_new_tokens."""
+    limit = cfg.data.max_prompt_length
+    context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", None)
+    if context:
+        room = context - cfg.rollout.max_new_tokens
+        if room < 1:
+            raise DataError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+                            f"the model's context of {context} tokens")
+        limit = min(limit, room) if limit else room
+    if not limit:
+        return rows
+    kept, dropped = filter_long_prompts(rows, lambda p: len(tok.render_prompt(p)), limit, cfg.data.on_long_prompt)
+    if dropped:
+        console.info(f"{split}: dropped {dropped} of {len(rows)} prompts longer than {limit} tokens "
+                     f"(data.max_prompt_length)")
+    if not kept:
+        raise DataError(f"{split}: every prompt is longer than {limit} tokens; raise data.max_prompt_length")
+    return kept
 
 
 def load_policy(cfg: Config, train_rows: list[dict], console: Console):
-    """The starting policy: a checkpoint (model.init_from), or a fresh model warm-started with SFT."""
-    if cfg.model.init_from:
-        console.info(f"loading {cfg.model.init_from}")
-        return load_model(cfg.model.init_from)
+    """The starting policy: a checkpoint (model.init_from), a Hugging Face model
+    (model.name_or_path), or a fresh built-in GPT warm-started with SFT."""
+    m = cfg.model
+    if m.init_from:
+        console.info(f"loading {m.init_from}")
+        return load_model(m.init_from, dtype=m.dtype, device=m.device)
+    if m.name_or_path != "builtin":
+        model, tok = load_hf(m.name_or_path, dtype=m.dtype, device=m.device,
+                             trust_remote_code=m.trust_remote_code)
+        console.info(f"{m.name_or_path}: {model.num_params() / 1e6:.2f}M parameters, {m.dtype}, "
+                     f"{next(model.parameters()).device}")
+        return model, tok
     tok = CharTokenizer()
-    model = build_builtin(cfg.model, tok)
+    model = build_builtin(cfg.model, tok).to(resolve_device(m.device))
     console.info(f"built-in GPT: {model.num_params() / 1e6:.2f}M parameters")
     if cfg.sft.steps:
         t0 = time.perf_counter()
-        rows = arithmetic.warm_start_rows(train_rows, cfg.sft.bare_fraction, cfg.train.seed)
-        train_sft(model, tok, rows, cfg.sft, seed=cfg.train.seed, log=console.info)
+        s = cfg.sft
+        mix = arithmetic.warm_start_mixer(s.bare_fraction, max(0, s.steps - s.bare_steps) if s.bare_steps else 0,
+                                          cfg.train.seed)
+        train_sft(model, tok, train_rows, s, seed=cfg.train.seed, log=console.info, batch_hook=mix)
         console.info(f"warm start done in {time.perf_counter() - t0:.0f}s")
     model.eval()
     return model, tok
@@ -57,15 +114,22 @@ def write_run_config(cfg: Config, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
+    """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
+    train_rows, test_rows = load_data(cfg)
+    model, tok = load_policy(cfg, train_rows, console)
+    train_rows = fit_prompts(cfg, model, tok, train_rows, console, "train")
+    test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
+    return GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+
+
 def run_train(cfg: Config, console: Console | None = None) -> dict:
     """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
     console = console or Console()
     setup_torch(cfg)
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
-    train_rows, test_rows = load_data(cfg)
-    model, tok = load_policy(cfg, train_rows, console)
-    trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+    trainer = build_trainer(cfg, run_dir, console)
     trainer.train()
     final = trainer.evaluate()
     (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
@@ -80,9 +144,7 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
     setup_torch(cfg)
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
-    train_rows, test_rows = load_data(cfg)
-    model, tok = load_policy(cfg, train_rows, console)
-    trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+    trainer = build_trainer(cfg, run_dir, console)
     console.info(f"evaluating on {len(trainer.test_rows)} held-out problems ...")
     before = trainer.evaluate()
     console.info(f"GRPO: {cfg.train.max_steps} steps x {cfg.rollout.prompts_per_step} prompts x "
@@ -104,14 +166,17 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
 
 
 def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:
-    """Evaluate a checkpoint on the test split; writes eval.json and eval_samples.jsonl to `out`."""
+    """Evaluate a checkpoint (ours, or any Hugging Face model directory) on the test split;
+    writes eval.json and eval_samples.jsonl to `out` and prints a table."""
     console = console or Console()
     setup_torch(cfg)
-    model, tok = load_model(checkpoint)
+    model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=cfg.model.device)
     _, test_rows = load_data(cfg)
+    test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
     e = cfg.eval
     res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
-                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed)
+                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
+                   reward=e.reward)
     samples = res.pop("samples")
     out_dir = Path(out or checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)

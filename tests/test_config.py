@@ -68,3 +68,17 @@ def test_readme_documents_every_config_key():
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(getattr(Config(), section.name)):
             assert f"`{section.name}.{f.name}`" in readme, f"{section.name}.{f.name} missing from README"
+
+
+def test_example_configs_load_and_validate():
+    from pathlib import Path
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert {p.name for p in configs} >= {"demo.yaml", "gsm8k_tiny_hf.yaml", "gsm8k_qwen.yaml"}
+    for p in configs:
+        load_config(p)
+
+
+def test_override_text_keeps_hash_signs():
+    cfg = load_config(None, ['data.prompt_suffix=Answer after ####.', "data.system_prompt='quoted # text'"])
+    assert cfg.data.prompt_suffix == "Answer after ####."
+    assert cfg.data.system_prompt == "quoted # text"

@@ -13,7 +13,8 @@ from conftest import run_cli
 # An easy setting: two-operation problems over small numbers, a small model, a short warm start.
 EASY = ["data.min_ops=2", "data.max_ops=2", "data.max_operand=4", "data.max_value=8", "data.allow_mul=false",
         "data.train_size=2000", "data.test_size=50", "model.n_layer=2", "model.n_embd=64", "model.block_size=96",
-        "sft.steps=300", "sft.batch_size=32", "sft.bare_fraction=0.5", "rollout.prompts_per_step=8",
+        "sft.steps=300", "sft.batch_size=32", "sft.bare_fraction=0.5", "sft.bare_steps=0",
+        "rollout.prompts_per_step=8",
         "rollout.num_generations=8", "rollout.max_new_tokens=16", "optim.lr=3e-4", "algorithm.beta=0.0",
         "eval.num_problems=50"]
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=128", "sft.steps=10",

@@ -1,6 +1,6 @@
 import re
 
-from grpolab.data.tasks.arithmetic import ArithmeticConfig, generate, warm_start_rows
+from grpolab.data.tasks.arithmetic import ArithmeticConfig, generate, warm_start_mixer
 from grpolab.rewards.answers import gsm8k_accuracy
 
 
@@ -34,11 +34,14 @@ def test_splits_are_disjoint_deterministic_and_respect_difficulty():
         assert max(nums) <= 20
 
 
-def test_warm_start_rows_mix_bare_answers():
+def test_warm_start_mixer_makes_bare_answers_only_from_its_step():
     rows = generate("train", 1000)
-    mixed = warm_start_rows(rows, 0.5, seed=0)
+    mix = warm_start_mixer(0.5, from_step=3, seed=0)
+    assert mix(rows, 0) == rows and mix(rows, 2) == rows   # before from_step: untouched
+    mixed = mix(rows, 3)
     bare = [m for m in mixed if m["answer"].startswith("####")]
     assert 400 < len(bare) < 600
     for r, m in zip(rows, mixed):
         assert m["prompt"] == r["prompt"] and r["answer"].endswith(m["answer"])
-    assert warm_start_rows(rows, 0.0) == rows
+    assert warm_start_mixer(0.5, 3, seed=0)(rows, 3) == mixed  # seeded
+    assert warm_start_mixer(0.0)(rows, 5) == rows

@@ -121,8 +121,8 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, batch, c.n_head, max_len, c.n_embd // c.n_head, p.dtype, p.device)
 
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for token ids (B, T).
+                cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T); only the last `logits_to_keep` positions when > 0.
 
         key_valid: (B, T) bool, False at padding. With `cache`, idx holds the next T
         tokens after `cache.pos`; their validity is recorded in the cache.
@@ -152,6 +152,8 @@ class GPT(nn.Module):
             x = block(x, cos, sin, mask, cache, i)
         if cache is not None:
             cache.pos = end
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         return self.lm_head(_rms_norm(x))
 
     def num_params(self) -> int:

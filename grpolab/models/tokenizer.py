@@ -31,6 +31,7 @@ class CharTokenizer:
         self.user_id = self.special[USER]
         self.assistant_id = self.special[ASSISTANT]
         self.eos_id = self.special[END]
+        self.stop_ids = (self.eos_id,)
         self._id_to_special = {v: k for k, v in self.special.items()}
 
     def encode(self, text: str) -> list[int]:
@@ -47,8 +48,13 @@ class CharTokenizer:
                 out.append(self._id_to_special[i])
         return "".join(out)
 
-    def render_prompt(self, prompt: str) -> list[int]:
-        """Chat prompt: <|bos|><|user|>{prompt}<|assistant|>; the model continues from here."""
+    def render_prompt(self, prompt) -> list[int]:
+        """Chat prompt: <|bos|><|user|>{prompt}<|assistant|>; the model continues from here.
+
+        A list of {role, content} messages is flattened: the contents joined by newlines
+        (the built-in model knows one user turn only)."""
+        if isinstance(prompt, list):
+            prompt = "\n".join(m["content"] for m in prompt)
         return [self.bos_id, self.user_id, *self.encode(prompt), self.assistant_id]
 
     def render_completion(self, completion: str) -> list[int]:

@@ -10,3 +10,18 @@ _ANSWER_LINE = re.compile(r"^####[ \t]*[-+−$]?\s*[\d.,]*\d", re.MULTILINE)
 def answer_format(prompts, completions, **_) -> list[float]:
     """1.0 when the completion has a line '#### <number>', else 0.0."""
     return [1.0 if _ANSWER_LINE.search(c) else 0.0 for c in completions]
+
+
+# DeepSeek-R1-Zero's template: '<think> ... </think> <answer> ... </answer>' and nothing else
+_THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def think_format(prompts, completions, **_) -> list[float]:
+    """1.0 when the completion is exactly '<think>…</think>' + whitespace + '<answer>…</answer>'.
+
+    Leading/trailing whitespace is allowed; each of the four tags must occur exactly once
+    (so a nested or repeated tag inside the think/answer text fails).
+    """
+    return [1.0 if _THINK_ANSWER.fullmatch(c) and all(c.count(t) == 1 for t in _TAGS) else 0.0
+            for c in completions]

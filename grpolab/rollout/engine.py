@@ -60,7 +60,7 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     P = p_ids.size(1)
     cache = model.new_cache(len(prompts), P + max_new_tokens)
-    logits = model(p_ids, key_valid=p_mask, cache=cache)[:, -1]
+    logits = model(p_ids, key_valid=p_mask, cache=cache, logits_to_keep=1)[:, -1]
     cache = cache.repeat_interleave(G) if G > 1 else cache
     logits = logits.repeat_interleave(G, dim=0)
     B = logits.size(0)

@@ -2,7 +2,9 @@
 
 Layout of checkpoints/step_N/:
     model.safetensors      weights
-    model_config.json      architecture ({"type": "builtin-gpt", ...GPTConfig})
+    model_config.json      built-in GPT: architecture ({"type": "builtin-gpt", ...GPTConfig})
+    config.json, tokenizer Hugging Face models: the `save_pretrained` layout, so
+    files, ...             `AutoModelForCausalLM.from_pretrained(step_N)` loads it
     optimizer.pt           optimizer and scheduler state (present for training checkpoints)
     trainer_state.json     step and data position
 """
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..models import GPT, GPTConfig, CharTokenizer
+from ..models.hf import HFPolicy, load_hf
 
 
 def _fsync_dir(path: Path) -> None:
@@ -28,7 +31,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, model: GPT, *, optimizer=None, scheduler=None,
+def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
                     trainer_state: dict | None = None) -> Path:
     """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint."""
     root = Path(ckpt_root)
@@ -38,16 +41,23 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model: GPT, *, optimizer=N
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"))
-    (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict()}, indent=2))
+    if isinstance(model, HFPolicy):
+        model.save(tmp)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    else:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict()},
+                                                          indent=2))
     if optimizer is not None:
         torch.save({"optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -56,15 +66,19 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model: GPT, *, optimizer=N
     return final
 
 
-def load_model(path: str | Path) -> tuple[GPT, CharTokenizer]:
-    """The model and tokenizer saved in a checkpoint directory."""
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer) from a checkpoint directory: a built-in GPT checkpoint, or any
+    Hugging Face model directory (ours or one saved elsewhere)."""
     p = Path(path)
     cfg_file = p / "model_config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{str(p)!r} is not a grpolab checkpoint (no model_config.json)")
+        if (p / "config.json").is_file():
+            return load_hf(str(p), dtype=dtype, device=device)
+        raise FileNotFoundError(f"{str(p)!r} is not a checkpoint: no model_config.json (built-in GPT) "
+                                f"or config.json (Hugging Face model)")
     meta = json.loads(cfg_file.read_text())
     meta.pop("type", None)
     model = GPT(GPTConfig(**meta))
     model.load_state_dict(load_file(str(p / "model.safetensors")))
-    model.eval()
+    model.to(device).eval()
     return model, CharTokenizer()

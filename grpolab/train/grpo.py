@@ -26,6 +26,7 @@ from ..algorithms.kl import kl_penalty
 from ..algorithms.losses import compute_policy_loss
 from ..config import Config
 from ..eval import evaluate
+from ..rewards import reward_name
 from ..rewards.combine import score
 from ..rollout.batch import RolloutBatch
 from ..rollout.engine import generate
@@ -87,7 +88,8 @@ class GRPOTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
         self.sampler = PromptSampler(train_rows, cfg.train.seed)
-        self.gen = torch.Generator().manual_seed(cfg.train.seed)
+        self.device = next(model.parameters()).device
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
         self.step = 0
 
     # ------------------------------------------------------------ one step, as data
@@ -98,7 +100,7 @@ class GRPOTrainer:
         self.model.eval()
         gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
                        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                       top_p=r.top_p, stop_ids=(self.tok.eos_id,), pad_id=self.tok.pad_id,
+                       top_p=r.top_p, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
                        generator=self.gen)
         completions = [self.tok.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.completion_mask)]
         keys = [k for k in rows[0] if k != "prompt"]
@@ -126,6 +128,7 @@ class GRPOTrainer:
     def update(self, batch: RolloutBatch) -> dict:
         """mu optimizer passes over the batch; returns loss/KL/clip/entropy metrics."""
         a, g = self.cfg.algorithm, batch.gen
+        adv = batch.advantages.to(self.device)
         mask = g.completion_mask.float()
         n_tok = float(mask.sum())
         n_seq = float((mask.sum(-1) > 0).sum())
@@ -150,7 +153,7 @@ class GRPOTrainer:
                 logp, ent = self._logprobs(self.model, g, s, with_entropy=True)
                 m = g.completion_mask[s]
                 old = old_lp[s] if old_lp is not None else logp.detach()
-                loss, cm = compute_policy_loss(logp, old, batch.advantages[s], m, policy_loss=a.policy_loss,
+                loss, cm = compute_policy_loss(logp, old, adv[s], m, policy_loss=a.policy_loss,
                                                loss_agg_mode=a.loss_agg_mode, epsilon=a.epsilon,
                                                epsilon_high=a.epsilon_high, clip_ratio_c=a.clip_ratio_c, **agg)
                 if self.ref is not None:
@@ -181,7 +184,7 @@ class GRPOTrainer:
         e = self.cfg.eval
         res = evaluate(self.model, self.tok, self.test_rows, k=e.k, temperature=e.temperature,
                        max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
-                       seed=self.cfg.train.seed)
+                       seed=self.cfg.train.seed, reward=e.reward)
         res.pop("samples")
         return res
 
@@ -201,7 +204,8 @@ class GRPOTrainer:
         gen_tokens = float(lengths.sum())
         metrics = {"step": self.step, "reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
                    "frac_reward_zero_std": float((r.view(-1, G).std(-1) == 0).float().mean())}
-        for name, col in batch.reward_columns.items():
+        for spec, col in batch.reward_columns.items():
+            name = reward_name(spec)
             valid = col[~torch.isnan(col)]
             metrics[f"rewards/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
             metrics[f"rewards/{name}/std"] = float(valid.std()) if len(valid) > 1 else 0.0
@@ -238,5 +242,6 @@ class GRPOTrainer:
         return history
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, optimizer=self.opt,
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
+                               optimizer=self.opt,
                                scheduler=self.sched, trainer_state={"sampler": self.sampler.state()})

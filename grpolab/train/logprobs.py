@@ -16,8 +16,9 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     """
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     valid = torch.cat([prompt_mask, completion_mask], dim=1)
-    P, C = prompt_ids.size(1), completion_ids.size(1)
-    logits = model(ids[:, :-1], key_valid=valid[:, :-1])[:, P - 1:P - 1 + C].float()
+    C = completion_ids.size(1)
+    # the last C positions of ids[:, :-1] are P-1 .. P+C-2: exactly the ones that predict the completion
+    logits = model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = logits.log_softmax(-1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 import torch
 import torch.nn.functional as F
 
@@ -39,9 +40,11 @@ def sft_loss(model, ids: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Ten
     return (ce * target_mask.flatten()).sum() / target_mask.sum().clamp(min=1)
 
 
-def train_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, seed: int = 0,
-              log=None) -> list[float]:
-    """Train in place on `rows` (cycled, reshuffled each epoch). Returns the per-step losses."""
+def train_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, seed: int = 0, log=None,
+              batch_hook: Callable[[list[dict], int], list[dict]] | None = None) -> list[float]:
+    """Train in place on `rows` (cycled, reshuffled each epoch). Returns the per-step losses.
+
+    `batch_hook(batch, step)` may rewrite each batch's rows before tokenization."""
     rng = random.Random(seed)
     order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
@@ -58,6 +61,8 @@ def train_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, seed: int = 0,
             order += perm
         batch = [rows[i] for i in order[:cfg.batch_size]]
         del order[:cfg.batch_size]
+        if batch_hook is not None:
+            batch = batch_hook(batch, step)
         loss = sft_loss(model, *sft_batch(tokenizer, batch))
         opt.zero_grad(set_to_none=True)
         loss.backward()

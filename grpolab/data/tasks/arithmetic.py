@@ -89,11 +89,18 @@ def bare_answer(row: dict) -> dict:
     return {**row, "answer": row["answer"].rsplit("\n", 1)[-1]}
 
 
-def warm_start_rows(rows: list[dict], bare_fraction: float, seed: int = 0) -> list[dict]:
-    """SFT data: a seeded `bare_fraction` of the rows answer with '#### N' alone, the rest show their work.
+def warm_start_mixer(bare_fraction: float, from_step: int = 0, seed: int = 0):
+    """SFT batch hook: from step `from_step` on, a seeded `bare_fraction` of answers are '#### N' alone.
 
-    Like web text, the warm-start model then sometimes shows its work and sometimes guesses.
-    Worked answers are right far more often, and RL has to discover that from reward alone.
+    The demo's warm start first learns to solve (worked answers only), then, for its last
+    steps, learns to often just guess. The greedy model then guesses although it can
+    solve; RL has to discover from reward alone that showing the work pays (as real
+    LLM RL elicits reasoning the base model rarely volunteers).
     """
     rng = random.Random(f"warm_start/{seed}")
-    return [bare_answer(r) if rng.random() < bare_fraction else r for r in rows]
+
+    def mix(batch: list[dict], step: int) -> list[dict]:
+        if step < from_step:
+            return batch
+        return [bare_answer(r) if rng.random() < bare_fraction else r for r in batch]
+    return mix

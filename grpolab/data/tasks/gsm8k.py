@@ -1,0 +1,45 @@
+"""GSM8K grade-school math: rows with the question, the final number, and the worked solution.
+
+    source row: {"question": "Janet's ducks lay 16 eggs ...", "answer": "... 9 * 2 = $<<9*2=18>>18 ...\n#### 18"}
+    our row:    {"prompt": "Janet's ducks lay 16 eggs ...", "answer": "18", "solution": "... #### 18"}
+
+Reads a jsonl/parquet file, a directory with train/test files, or the hub name 'openai/gsm8k'.
+"""
+
+from __future__ import annotations
+
+from grpolab.data.loading import DataError, read_records
+
+HUB_NAMES = ("openai/gsm8k", "gsm8k")
+
+
+def final_answer(solution: str) -> str | None:
+    """The text after the last '####', stripped, without thousands separators; None if there is no '####'."""
+    if "####" not in solution:
+        return None
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def load_gsm8k(path: str, split: str | None = None) -> list[dict]:
+    """GSM8K rows {'prompt', 'answer', 'solution'} (plus any extra columns) from `path`."""
+    # the hub dataset has two configs ('main', 'socratic'); local files have none
+    records = read_records(path, split, dataset_config="main" if path in HUB_NAMES else None)
+    where = f"{path}" + (f" ({split})" if split else "")
+    if not records:
+        raise DataError(f"{where}: no rows; check the file and the split")
+    rows = []
+    for i, record in enumerate(records, start=1):
+        for column in ("question", "answer"):
+            if column not in record:
+                raise DataError(f"{where}: row {i}: no {column!r} column; columns are {sorted(record)}; "
+                                "GSM8K rows need 'question' and 'answer' (load other formats with data.prompt_key)")
+        question, solution = record["question"], record["answer"]
+        if not isinstance(question, str) or not isinstance(solution, str):
+            raise DataError(f"{where}: row {i}: 'question' and 'answer' must be strings")
+        answer = final_answer(solution)
+        if not answer:
+            raise DataError(f"{where}: row {i}: answer has no final '#### <number>' line; "
+                            "end the answer with one or drop the row")
+        extra = {k: v for k, v in record.items() if k not in ("question", "answer")}
+        rows.append({**extra, "prompt": question, "answer": answer, "solution": solution})
+    return rows

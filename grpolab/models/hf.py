@@ -1,0 +1,159 @@
+"""Hugging Face causal LMs behind the same small interface as the built-in GPT.
+
+The rollout engine and the trainer call `model(ids, key_valid=..., cache=..., logits_to_keep=...)`
+and `model.new_cache(batch, max_len)`, and read prompts through `tokenizer.render_prompt`.
+`HFPolicy` and `HFTokenizer` adapt an `AutoModelForCausalLM` and its tokenizer to that,
+using the model's own KV cache (a `DynamicCache`).
+
+Positions come from the attention mask (cumulative count of real tokens), so left-padded
+prompts and right-padded completions see exactly the positions they would see alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFTokenizer:
+    """Renders prompts (plain text as is, message lists through the chat template) to ids."""
+
+    def __init__(self, tokenizer, extra_stop_ids: tuple[int, ...] = ()) -> None:
+        self.tok = tokenizer
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token; set one so completions can end")
+        if tokenizer.pad_token_id is None:
+            # Padding is masked everywhere, so any id works; eos is the usual choice.
+            tokenizer.pad_token = tokenizer.eos_token
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.stop_ids = tuple(dict.fromkeys((self.eos_id, *extra_stop_ids)))
+        self.vocab_size = len(tokenizer)
+
+    def render_prompt(self, prompt) -> list[int]:
+        """Token ids the model continues from. A list of {role, content} messages goes through the
+        chat template with the generation prompt; a string is tokenized as it is (with BOS if the
+        tokenizer adds one)."""
+        if isinstance(prompt, list):
+            if not getattr(self.tok, "chat_template", None):
+                raise ValueError("conversational prompt, but the tokenizer has no chat_template; "
+                                 "use plain-text prompts or a tokenizer with a template")
+            text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.tok(prompt)["input_ids"]
+
+    def render_completion(self, completion: str) -> list[int]:
+        return [*self.tok(completion, add_special_tokens=False)["input_ids"], self.eos_id]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save_pretrained(str(path))
+
+
+class HFCache:
+    """The model's DynamicCache plus what HF needs beside it: the attention mask so far and
+    how many real tokens each row has seen (its next position)."""
+
+    def __init__(self, past) -> None:
+        self.past = past
+        self.mask: torch.Tensor | None = None   # (B, T_so_far) long
+        self.count: torch.Tensor | None = None  # (B,) real tokens so far
+
+    def repeat_interleave(self, n: int) -> "HFCache":
+        """Each row n times (a prompt prefilled once, shared by its n samples). Reuses the storage."""
+        self.past.batch_repeat_interleave(n)
+        self.mask = self.mask.repeat_interleave(n, dim=0)
+        self.count = self.count.repeat_interleave(n, dim=0)
+        return self
+
+
+class HFPolicy(nn.Module):
+    """An `AutoModelForCausalLM` with the engine's calling convention."""
+
+    def __init__(self, hf_model) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+
+    def new_cache(self, batch: int, max_len: int) -> HFCache:
+        from transformers import DynamicCache
+        return HFCache(DynamicCache(config=self.hf.config))
+
+    def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None, cache: HFCache | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits (B, T, V), or of the last `logits_to_keep` positions. Semantics as `GPT.forward`."""
+        if key_valid is None:
+            key_valid = torch.ones_like(idx, dtype=torch.bool)
+        valid = key_valid.long()
+        start = cache.count if cache is not None and cache.count is not None else torch.zeros_like(valid[:, 0])
+        pos = (start[:, None] + valid.cumsum(-1) - 1).clamp(min=0)
+        if cache is None:
+            out = self.hf(input_ids=idx, attention_mask=valid, position_ids=pos, use_cache=False,
+                          logits_to_keep=logits_to_keep)
+            return out.logits
+        cache.mask = valid if cache.mask is None else torch.cat([cache.mask, valid], dim=1)
+        cache.count = start + valid.sum(-1)
+        out = self.hf(input_ids=idx, attention_mask=cache.mask, position_ids=pos, past_key_values=cache.past,
+                      use_cache=True, logits_to_keep=logits_to_keep)
+        cache.past = out.past_key_values
+        return out.logits
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save(self, path: str | Path) -> None:
+        self.hf.save_pretrained(str(path), safe_serialization=True)
+
+
+def _stop_ids_from(model) -> tuple[int, ...]:
+    """Extra end-of-turn ids from the generation config (chat models often list several)."""
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {device!r} requested but CUDA is not available; use cpu")
+    return torch.device(device)
+
+
+def load_hf(name_or_path: str, dtype: str = "float32", device: str = "cpu",
+            trust_remote_code: bool = False) -> tuple[HFPolicy, HFTokenizer]:
+    """Load an `AutoModelForCausalLM` and its tokenizer from a local directory or a hub id."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise ImportError("Hugging Face models need transformers: pip install 'grpolab[hf]'") from None
+
+    hf_logging.disable_progress_bar()  # our console reports progress; per-shard bars are noise
+
+    local = Path(name_or_path)
+    looks_local = local.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not (local / "config.json").is_file():
+        raise FileNotFoundError(f"model.name_or_path: {name_or_path!r} is not a model directory "
+                                f"(no config.json); give a saved Hugging Face model or a hub id")
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise FileNotFoundError(f"model.name_or_path: could not load {name_or_path!r} "
+                                f"({str(e).splitlines()[0]})") from None
+    model.to(resolve_device(device))
+    model.eval()
+    return HFPolicy(model), HFTokenizer(tok, extra_stop_ids=_stop_ids_from(model))

@@ -90,11 +90,16 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"    # grpo (z-score in the group) | dr_grpo (r - group mean)
+    preset: str | None = None      # grpo | dr_grpo | dapo | gspo | rloo | reinforce: a published recipe's
+    #                                algorithm keys (table in the README); keys you set yourself still win
+    adv_estimator: str = "grpo"    # grpo (z-score in the group) | dr_grpo (r - group mean) | rloo (leave-one-out
+    #                                mean) | reinforce_baseline (r - group mean, whitened over the batch) |
+    #                                grpo_passk (only the best of each group is credited)
     scale_rewards: str = "group"   # grpo: group | batch | none (none = mean-only advantages)
     adv_eps: float = 1e-4          # added to the std in (r - mean) / (std + eps)
     unbiased_std: bool = False     # use n-1 in the group std
-    policy_loss: str = "clip"      # clip (PPO/GRPO clipped importance ratio)
+    policy_loss: str = "clip"      # clip (PPO/GRPO clipped token ratio) | gspo (clipped sequence ratio) |
+    #                                reinforce (-A log pi, no ratio) | cispo (clipped ratio as a stop-gradient weight)
     epsilon: float = 0.2           # lower clip range: ratio >= 1 - epsilon
     epsilon_high: float | None = None  # upper clip range (None = epsilon; DAPO uses 0.28)
     clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (e.g. 3.0); None = off
@@ -103,6 +108,15 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"       # k1 | k2 | k3 (Schulman's estimators; k3 is GRPO's)
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     num_iterations: int = 1        # mu: optimizer passes over each rollout batch
+    kl_in_reward: bool = False     # fold beta * (summed per-token KL) into the reward instead of the loss
+    entropy_coef: float = 0.0      # subtract entropy_coef * mean token entropy from the loss (exploration bonus)
+    mask_truncated_completions: bool = False  # completions cut at rollout.max_new_tokens get no loss
+    dynamic_sampling: bool = False # DAPO: drop groups whose rewards are all equal, sample more to refill
+    max_sampling_rounds: int = 4   # dynamic sampling: rollout rounds per step at most (then train on what is kept)
+    overlong_buffer: int = 0       # DAPO soft overlong punishment: the last N tokens before max_new_tokens ...
+    overlong_penalty: float = 1.0  # ... ramp a penalty linearly up to this at max_new_tokens (0 buffer = off)
+    ref_sync_steps: int = 0        # TR-DPO reference sync every N steps: ref = alpha*policy + (1-alpha)*ref; 0 = off
+    ref_sync_alpha: float = 0.6    # alpha of the reference sync
 
 
 @dataclass
@@ -248,17 +262,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        for k, v in _flatten(data).items():
-            _set(cfg, k, v)
-    for o in overrides:
-        _set(cfg, *parse_override(o))
-    validate(cfg)
-    return cfg
+        settings = list(_flatten(data).items())
+    else:
+        settings = []
+    settings += [parse_override(o) for o in overrides]
+    return _apply(cfg, settings)
 
 
 def config_from_dict(d: dict) -> Config:
-    cfg = Config()
-    for k, v in _flatten(d).items():
+    return _apply(Config(), list(_flatten(d).items()))
+
+
+def _apply(cfg: Config, settings: list[tuple[str, Any]]) -> Config:
+    """Set `settings` in order, after the algorithm preset they name (explicit keys win over it)."""
+    preset = [v for k, v in settings if k == "algorithm.preset"]
+    if preset and preset[-1] is not None:
+        from .algorithms.presets import PRESETS
+        name = preset[-1]
+        if name not in PRESETS:
+            raise ConfigError(f"algorithm.preset: {name!r} is not one of {', '.join(PRESETS)}")
+        for k, v in PRESETS[name].items():
+            _set(cfg, k, v)
+    for k, v in settings:
         _set(cfg, k, v)
     validate(cfg)
     return cfg
@@ -346,6 +371,15 @@ def validate(cfg: Config) -> None:
     _need(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c: must be > 1 or null (off)")
     _need(a.beta >= 0, "algorithm.beta: must be >= 0 (0 disables the KL term)")
     _need(a.num_iterations >= 1, "algorithm.num_iterations: must be >= 1")
+    _need(not a.kl_in_reward or a.beta > 0, "algorithm.kl_in_reward: needs algorithm.beta > 0 (the KL coefficient)")
+    _need(a.entropy_coef >= 0, "algorithm.entropy_coef: must be >= 0")
+    _need(a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds: must be >= 1")
+    _need(0 <= a.overlong_buffer <= r.max_new_tokens,
+          f"algorithm.overlong_buffer: must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
+    _need(a.overlong_penalty >= 0, "algorithm.overlong_penalty: must be >= 0")
+    _need(a.ref_sync_steps >= 0, "algorithm.ref_sync_steps: must be >= 0 (0 = off)")
+    _need(0 < a.ref_sync_alpha <= 1, "algorithm.ref_sync_alpha: must be in (0, 1]")
+    _need(a.ref_sync_steps == 0 or a.beta > 0, "algorithm.ref_sync_steps: needs algorithm.beta > 0 (a reference)")
 
     o = cfg.optim
     _need(o.lr > 0, "optim.lr: must be > 0")

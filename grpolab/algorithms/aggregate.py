@@ -22,19 +22,22 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
     seq-mean-token-sum:      sum_i sum_t l / N_seqs
     seq-mean-token-sum-norm: sum_{i,t} l / (N_seqs * max_new_tokens)     (Dr. GRPO)
     N_tokens / N_seqs count active tokens / rows with at least one active token in the global
-    batch; when not given they are taken from this batch.
+    batch (a row with no active token is not a sequence); when not given they are taken from
+    this batch. |o_i| is the row's active-token count.
     """
-    m = mask.to(loss_mat.dtype)
-    tok_per_row = m.sum(-1)
+    m = mask.bool()
+    tok_per_row = m.sum(-1).to(loss_mat.dtype)
     if global_tokens is None:
         global_tokens = float(tok_per_row.sum())
     if global_seqs is None:
         global_seqs = float((tok_per_row > 0).sum())
-    total = (loss_mat * m).sum()
+    # where, not a product: inf/NaN at masked positions neither leaks into the value nor the gradient
+    row_sum = torch.where(m, loss_mat, torch.zeros_like(loss_mat)).sum(-1)
+    total = row_sum.sum()
     if mode == "token-mean":
         return total / max(global_tokens, 1.0)
     if mode == "seq-mean-token-mean":
-        return ((loss_mat * m).sum(-1) / tok_per_row.clamp(min=1)).sum() / max(global_seqs, 1.0)
+        return (row_sum / tok_per_row.clamp(min=1)).sum() / max(global_seqs, 1.0)
     if mode == "seq-mean-token-sum":
         return total / max(global_seqs, 1.0)
     if mode == "seq-mean-token-sum-norm":

@@ -1,4 +1,16 @@
-"""Policy losses on per-token log-probs, registered by name (`algorithm.policy_loss`)."""
+"""Policy losses on per-token log-probs, registered by name (`algorithm.policy_loss`).
+
+Each loss is a pure function
+
+    fn(logp, old_logp, adv, mask, *, epsilon, epsilon_high, clip_ratio_c, **_)
+        -> (loss (B, T), {"clip_low": bool (B, T), "clip_high": bool (B, T)})
+
+with logp, old_logp, mask (B, T) and adv (B, 1) or (B, T). The loss matrix is exactly 0,
+with zero gradient and no NaN, at masked positions (whatever logp holds there), so a row
+with no active token contributes nothing. r = exp(logp - old_logp) is the per-token
+importance ratio; epsilon_high defaults to epsilon. `compute_policy_loss` reduces the
+matrix to a scalar with `aggregate` (see aggregate.py).
+"""
 
 from __future__ import annotations
 
@@ -18,27 +30,99 @@ def register(name: str):
     return deco
 
 
+def _prep(logp, old_logp, adv, mask):
+    """Bool mask, and logp, log-ratio and advantages zeroed at masked positions (NaN-safe)."""
+    m = mask.bool()
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    lp = torch.where(m, logp, zero)
+    log_ratio = torch.where(m, logp - old_logp, zero)
+    a = torch.where(m, adv.to(logp.dtype), zero)
+    return m, lp, log_ratio, a
+
+
+def _hi(epsilon: float, epsilon_high: float | None) -> float:
+    return epsilon if epsilon_high is None else epsilon_high
+
+
 @register("clip")
 def clip_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: float | None = None,
               clip_ratio_c: float | None = None, **_) -> tuple[torch.Tensor, dict]:
-    """PPO clipped surrogate (Schulman et al. 2017) as used by GRPO, per token:
+    """PPO clipped surrogate (Schulman et al. 2017) as used by GRPO (Shao et al. 2024), per token:
 
-        r = exp(logp - old_logp)
-        l = max(-A * r, -A * clip(r, 1 - epsilon, 1 + epsilon_high))
-    epsilon_high defaults to epsilon (DAPO's clip-higher raises it). With clip_ratio_c
-    (dual clip, Ye et al. 2020), for A < 0: l = min(l, -A * clip_ratio_c).
-    Returns the per-token loss matrix and detached clip indicators for metrics.
+        l_t = max(-A * r_t, -A * clip(r_t, 1 - epsilon, 1 + epsilon_high))
+    epsilon_high > epsilon is DAPO's clip-higher (Yu et al. 2025). With clip_ratio_c (dual clip,
+    Ye et al. 2020), for A < 0: l_t = min(l_t, -A * clip_ratio_c), bounding the loss of a
+    negative-advantage token whose ratio has blown up.
+    Clip indicators (the clipped branch is active): low = r < 1-eps and A < 0; high = r > 1+eps_hi and A > 0.
     """
-    eps_hi = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logp - old_logp)
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1 - epsilon, 1 + eps_hi)
-    loss = torch.maximum(l1, l2)
+    m, _, log_ratio, a = _prep(logp, old_logp, adv, mask)
+    eps_hi = _hi(epsilon, epsilon_high)
+    ratio = torch.exp(log_ratio)
+    loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - epsilon, 1 + eps_hi))
     if clip_ratio_c is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
+        loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
     with torch.no_grad():
-        low = (ratio < 1 - epsilon) & (adv < 0)
-        high = (ratio > 1 + eps_hi) & (adv > 0)
+        low = (ratio < 1 - epsilon) & (a < 0) & m
+        high = (ratio > 1 + eps_hi) & (a > 0) & m
+    return torch.where(m, loss, torch.zeros_like(loss)), {"clip_low": low, "clip_high": high}
+
+
+@register("gspo")
+def gspo_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: float | None = None,
+              **_) -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), token form (GSPO-token):
+
+        s_i   = exp( 1/|y_i| * sum_t (logp_t - old_logp_t) )          sequence ratio, active tokens
+        s_i,t = sg(s_i) * exp(logp_t - sg(logp_t))                     value s_i, d s_i,t/d logp_t = s_i
+        l_t   = max(-A * s_i,t, -A * clip(s_i,t, 1 - epsilon, 1 + epsilon_high))
+    With A_i,t = A_i and seq-mean-token-mean aggregation the gradient equals GSPO's
+    -(1/G) sum_i A_i s_i (1/|y_i|) sum_t grad logp_t (when unclipped). The paper clips the
+    sequence ratio with tiny ranges, epsilon = 3e-4 and epsilon_high = 4e-4, not PPO's 0.2.
+    Clip indicators are per sequence (s_i out of range with the matching sign of A), broadcast to tokens.
+    A row with no active token gets s_i = 1 and zero loss. clip_ratio_c is ignored.
+    """
+    m, lp, log_ratio, a = _prep(logp, old_logp, adv, mask)
+    eps_hi = _hi(epsilon, epsilon_high)
+    n_tok = m.sum(-1, keepdim=True).clamp(min=1)
+    log_s = (log_ratio.sum(-1, keepdim=True) / n_tok).detach()  # (B, 1)
+    s_tok = torch.exp(log_s + lp - lp.detach())                 # (B, T), value s_i
+    loss = torch.maximum(-a * s_tok, -a * s_tok.clamp(1 - epsilon, 1 + eps_hi))
+    with torch.no_grad():
+        s = torch.exp(log_s).expand_as(logp)
+        low = (s < 1 - epsilon) & (a < 0) & m
+        high = (s > 1 + eps_hi) & (a > 0) & m
+    return torch.where(m, loss, torch.zeros_like(loss)), {"clip_low": low, "clip_high": high}
+
+
+@register("reinforce")
+def reinforce_loss(logp, old_logp, adv, mask, **_) -> tuple[torch.Tensor, dict]:
+    """REINFORCE (Williams 1992), on-policy, no importance ratio (nanochat's chat_rl):
+
+        l_t = -A * logp_t            d l_t / d logp_t = -A
+    old_logp and the clip ranges are unused; nothing is ever clipped.
+    """
+    m, lp, _, a = _prep(logp, old_logp, adv, mask)
+    loss = torch.where(m, -a * lp, torch.zeros_like(lp))
+    none = torch.zeros_like(m)
+    return loss, {"clip_low": none, "clip_high": none.clone()}
+
+
+@register("cispo")
+def cispo_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: float | None = None,
+               **_) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax 2025, "MiniMax-M1"): clip the importance-sampling weight, not the update.
+
+        l_t = -sg(clip(r_t, 1 - epsilon, 1 + epsilon_high)) * A * logp_t
+    so d l_t / d logp_t = -clip(r_t) * A: every token keeps a gradient, only its weight is bounded.
+    (MiniMax-M1 tunes only the upper bound and leaves the lower one effectively off, i.e. a
+    large epsilon.) Clip indicators: low = r < 1-eps, high = r > 1+eps_hi, whatever the sign of A.
+    """
+    m, lp, log_ratio, a = _prep(logp, old_logp, adv, mask)
+    eps_hi = _hi(epsilon, epsilon_high)
+    ratio = torch.exp(log_ratio).detach()
+    loss = torch.where(m, -ratio.clamp(1 - epsilon, 1 + eps_hi) * a * lp, torch.zeros_like(lp))
+    low = (ratio < 1 - epsilon) & m
+    high = (ratio > 1 + eps_hi) & m
     return loss, {"clip_low": low, "clip_high": high}
 
 

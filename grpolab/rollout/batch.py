@@ -30,3 +30,55 @@ class RolloutBatch:
     @property
     def completion_mask(self) -> torch.Tensor:
         return self.gen.completion_mask
+
+    def select(self, rows: torch.Tensor) -> "RolloutBatch":
+        """The rows where `rows` (bool (B,)) is True, everything kept aligned."""
+        idx = rows.nonzero().squeeze(-1)
+        pick = lambda xs: [xs[i] for i in idx.tolist()]  # noqa: E731
+        g = self.gen
+        gen = Generation(*(t[idx.to(t.device)] for t in (g.prompt_ids, g.prompt_mask, g.completion_ids,
+                                                         g.completion_mask, g.sampler_logprobs, g.truncated)))
+        return RolloutBatch(gen=gen, group_ids=self.group_ids[idx], prompts=pick(self.prompts),
+                            completions=pick(self.completions), columns={k: pick(v) for k, v in self.columns.items()},
+                            rewards=None if self.rewards is None else self.rewards[idx],
+                            reward_columns={k: v[idx] for k, v in self.reward_columns.items()},
+                            advantages=None if self.advantages is None else self.advantages[idx])
+
+
+def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+    extra = width - t.size(1)
+    if extra == 0:
+        return t
+    pad = torch.full((t.size(0), extra), value, dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t] if left else [t, pad], dim=1)
+
+
+def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch from several (e.g. dynamic-sampling rounds): prompts re-padded on the left,
+    completions on the right, group ids renumbered so groups stay distinct."""
+    if len(batches) == 1:
+        return batches[0]
+    P = max(b.gen.prompt_ids.size(1) for b in batches)
+    C = max(b.gen.completion_ids.size(1) for b in batches)
+    gens = [b.gen for b in batches]
+    gen = Generation(
+        prompt_ids=torch.cat([_pad_to(g.prompt_ids, P, pad_id, True) for g in gens]),
+        prompt_mask=torch.cat([_pad_to(g.prompt_mask, P, False, True) for g in gens]),
+        completion_ids=torch.cat([_pad_to(g.completion_ids, C, pad_id, False) for g in gens]),
+        completion_mask=torch.cat([_pad_to(g.completion_mask, C, False, False) for g in gens]),
+        sampler_logprobs=torch.cat([_pad_to(g.sampler_logprobs, C, 0.0, False) for g in gens]),
+        truncated=torch.cat([g.truncated for g in gens]))
+    group_ids, offset = [], 0
+    for b in batches:
+        if len(b):
+            _, inv = torch.unique(b.group_ids, return_inverse=True)
+            group_ids.append(inv + offset)
+            offset += int(inv.max()) + 1
+    cat_opt = lambda xs: None if any(x is None for x in xs) else torch.cat(xs)  # noqa: E731
+    return RolloutBatch(
+        gen=gen, group_ids=torch.cat(group_ids) if group_ids else torch.zeros(0, dtype=torch.long),
+        prompts=[p for b in batches for p in b.prompts], completions=[c for b in batches for c in b.completions],
+        columns={k: [v for b in batches for v in b.columns[k]] for k in batches[0].columns},
+        rewards=cat_opt([b.rewards for b in batches]),
+        reward_columns={k: torch.cat([b.reward_columns[k] for b in batches]) for k in batches[0].reward_columns},
+        advantages=cat_opt([b.advantages for b in batches]))

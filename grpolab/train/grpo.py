@@ -22,13 +22,15 @@ import torch
 
 from ..algorithms.advantages import compute_advantages
 from ..algorithms.aggregate import aggregate
-from ..algorithms.kl import kl_penalty
+from ..algorithms.kl import apply_kl_in_reward, kl_penalty
+from ..algorithms.ref_sync import ref_sync
+from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
 from ..algorithms.losses import compute_policy_loss
 from ..config import Config
 from ..eval import evaluate
 from ..rewards import reward_name
 from ..rewards.combine import score
-from ..rollout.batch import RolloutBatch
+from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import generate
 from .checkpoint import save_checkpoint
 from .logprobs import completion_logprobs
@@ -110,12 +112,65 @@ class GRPOTrainer:
             columns={k: [x[k] for x in rows for _ in range(G)] for k in keys})
 
     def score(self, batch: RolloutBatch) -> None:
-        w = self.cfg.reward
+        """Reward functions (weighted total), plus DAPO's overlong shaping when configured."""
+        w, a = self.cfg.reward, self.cfg.algorithm
         batch.rewards, batch.reward_columns = score(w.functions, w.weights, batch.prompts, batch.completions,
                                                     batch.columns)
+        if a.overlong_buffer:
+            pen = overlong_penalty(batch.gen.completion_mask.sum(-1).cpu(), self.cfg.rollout.max_new_tokens,
+                                   a.overlong_buffer, a.overlong_penalty)
+            batch.reward_columns["overlong"] = pen
+            batch.rewards = batch.rewards + pen
+
+    def collect(self) -> tuple[RolloutBatch, dict]:
+        """Sample and score one step's batch. With dynamic sampling (DAPO), groups whose rewards
+        are all equal are dropped and more prompts sampled, up to algorithm.max_sampling_rounds
+        rounds; the batch is then cut to rollout.prompts_per_step groups."""
+        a, P = self.cfg.algorithm, self.cfg.rollout.prompts_per_step
+        stats = {"time/generate": 0.0, "time/reward": 0.0}
+        kept: list[RolloutBatch] = []
+        n_groups, first = 0, None
+        for rnd in range(1, a.max_sampling_rounds + 1):
+            t0 = time.perf_counter()
+            batch = self.rollout()
+            t1 = time.perf_counter()
+            self.score(batch)
+            stats["time/generate"] += t1 - t0
+            stats["time/reward"] += time.perf_counter() - t1
+            first = first or batch
+            if not a.dynamic_sampling:
+                return batch, stats
+            keep = dynamic_sampling_keep(batch.rewards, batch.group_ids)
+            kept.append(batch.select(keep))
+            n_groups += len(torch.unique(batch.group_ids[keep]))
+            if n_groups >= P:
+                break
+        stats["dynamic_sampling/rounds"] = rnd
+        stats["dynamic_sampling/kept_groups"] = min(n_groups, P)
+        stats["frac_reward_zero_std"] = self._zero_std(first)   # of the first round, before filtering
+        if n_groups == 0:   # nothing informative within the cap: train on the last round (zero advantages)
+            return batch, stats
+        merged = cat_batches(kept, self.tok.pad_id)
+        return merged.select(merged.group_ids < P), stats
+
+    @staticmethod
+    def _zero_std(batch: RolloutBatch) -> float:
+        _, inv = torch.unique(batch.group_ids, return_inverse=True)
+        groups = [batch.rewards[inv == g] for g in range(int(inv.max()) + 1)]
+        return sum(float(r.max() == r.min()) for r in groups) / len(groups)
+
+    def advantages(self, batch: RolloutBatch, ref_lp: torch.Tensor | None) -> dict:
+        """Advantages from the rewards (minus beta * KL when algorithm.kl_in_reward)."""
         a = self.cfg.algorithm
-        batch.advantages = compute_advantages(batch.rewards, batch.group_ids, a.adv_estimator, eps=a.adv_eps,
+        rewards, out = batch.rewards, {}
+        if a.kl_in_reward:
+            g = batch.gen
+            kl = kl_penalty(g.sampler_logprobs, ref_lp, a.kl_estimator)
+            rewards = apply_kl_in_reward(rewards, kl.cpu(), g.completion_mask.cpu(), a.beta)
+            out["kl"] = float((kl * g.completion_mask).sum() / g.completion_mask.sum().clamp(min=1))
+        batch.advantages = compute_advantages(rewards, batch.group_ids, a.adv_estimator, eps=a.adv_eps,
                                               unbiased_std=a.unbiased_std, scale_rewards=a.scale_rewards)
+        return out
 
     def _micro_batches(self, n: int) -> list[slice]:
         mb = self.cfg.optim.micro_batch_size or n
@@ -125,20 +180,29 @@ class GRPOTrainer:
         return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
                                    g.completion_mask[sl], self.cfg.rollout.temperature, **kw)
 
-    def update(self, batch: RolloutBatch) -> dict:
+    def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
+        if self.ref is None:
+            return None
+        with torch.no_grad():
+            return torch.cat([self._logprobs(self.ref, batch.gen, s) for s in self._micro_batches(len(batch))])
+
+    def update(self, batch: RolloutBatch, ref_lp: torch.Tensor | None = None) -> dict:
         """mu optimizer passes over the batch; returns loss/KL/clip/entropy metrics."""
         a, g = self.cfg.algorithm, batch.gen
         adv = batch.advantages.to(self.device)
-        mask = g.completion_mask.float()
+        # completions cut at max_new_tokens can be left out of the loss (they never count as sequences)
+        loss_mask = g.completion_mask & ~g.truncated[:, None] if a.mask_truncated_completions else g.completion_mask
+        mask = loss_mask.float()
         n_tok = float(mask.sum())
         n_seq = float((mask.sum(-1) > 0).sum())
         slices = self._micro_batches(len(batch))
         agg = dict(global_tokens=n_tok, global_seqs=n_seq, max_new_tokens=self.cfg.rollout.max_new_tokens)
 
-        # Reference and old-policy log-probs in no-grad passes. With mu == 1 the old policy
-        # is the current one, so the ratio is exactly 1 and old log-probs are the detached logp.
+        # Old-policy log-probs in a no-grad pass. With mu == 1 the old policy is the current one,
+        # so the ratio is exactly 1 and old log-probs are the detached logp.
+        kl_in_loss = self.ref is not None and not a.kl_in_reward
         with torch.no_grad():
-            ref_lp = torch.cat([self._logprobs(self.ref, g, s) for s in slices]) if self.ref is not None else None
             self.model.eval()
             old_lp = torch.cat([self._logprobs(self.model, g, s) for s in slices]) if a.num_iterations > 1 else None
 
@@ -150,19 +214,21 @@ class GRPOTrainer:
         for _ in range(a.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             for s in slices:
-                logp, ent = self._logprobs(self.model, g, s, with_entropy=True)
-                m = g.completion_mask[s]
+                logp, ent = self._logprobs(self.model, g, s, with_entropy=True, entropy_grad=a.entropy_coef > 0)
+                m = loss_mask[s]
                 old = old_lp[s] if old_lp is not None else logp.detach()
                 loss, cm = compute_policy_loss(logp, old, adv[s], m, policy_loss=a.policy_loss,
                                                loss_agg_mode=a.loss_agg_mode, epsilon=a.epsilon,
                                                epsilon_high=a.epsilon_high, clip_ratio_c=a.clip_ratio_c, **agg)
-                if self.ref is not None:
+                if kl_in_loss:
                     kl = kl_penalty(logp, ref_lp[s], a.kl_estimator)
                     loss = loss + a.beta * aggregate(kl, m, a.loss_agg_mode, **agg)
                     sums["kl"] += float((kl.detach() * m).sum())
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * aggregate(ent, m, a.loss_agg_mode, **agg)
                 loss.backward()
                 sums["loss"] += float(loss.detach())
-                sums["entropy"] += float((ent * m).sum())
+                sums["entropy"] += float((ent.detach() * m).sum())
                 for k, v in cm.items():
                     sums[k] += v
             max_norm = self.cfg.optim.max_grad_norm or float("inf")
@@ -173,7 +239,7 @@ class GRPOTrainer:
         passes = a.num_iterations
         out = {"lr": lr, "loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
                "entropy": sums["entropy"] / passes / max(n_tok, 1)}
-        if self.ref is not None:
+        if kl_in_loss:
             out["kl"] = sums["kl"] / passes / max(n_tok, 1)
         for k in ("low", "high", "region"):
             out[f"clip_ratio/{k}_mean"] = sums[f"clip_ratio/{k}_sum"] / passes / max(n_tok, 1)
@@ -190,33 +256,41 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
-        batch = self.rollout()
+        batch, stats = self.collect()
         t1 = time.perf_counter()
-        self.score(batch)
+        ref_lp = self.ref_logprobs(batch)
+        kl_metrics = self.advantages(batch, ref_lp)
         t2 = time.perf_counter()
-        upd = self.update(batch)
+        upd = self.update(batch, ref_lp)
         t3 = time.perf_counter()
         self.step += 1
+        a = self.cfg.algorithm
+        if a.ref_sync_steps and self.step % a.ref_sync_steps == 0:
+            ref_sync(self.ref, self.model, a.ref_sync_alpha)
 
         r, mask = batch.rewards, batch.gen.completion_mask
-        G = self.cfg.rollout.num_generations
         lengths = mask.sum(-1).float()
         gen_tokens = float(lengths.sum())
         metrics = {"step": self.step, "reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-                   "frac_reward_zero_std": float((r.view(-1, G).std(-1) == 0).float().mean())}
+                   "frac_reward_zero_std": stats.pop("frac_reward_zero_std", None)}
+        if metrics["frac_reward_zero_std"] is None:
+            metrics["frac_reward_zero_std"] = self._zero_std(batch)
         for spec, col in batch.reward_columns.items():
             name = reward_name(spec)
             valid = col[~torch.isnan(col)]
             metrics[f"rewards/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
             metrics[f"rewards/{name}/std"] = float(valid.std()) if len(valid) > 1 else 0.0
         metrics.update(upd)
+        metrics.update(kl_metrics)
+        metrics.update({k: v for k, v in stats.items() if k.startswith("dynamic_sampling/")})
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = float(batch.gen.truncated.float().mean())
-        metrics["time/generate"] = t1 - t0
-        metrics["time/reward"] = t2 - t1
+        metrics["time/generate"] = stats["time/generate"]
+        metrics["time/reward"] = stats["time/reward"]
+        metrics["time/ref_and_advantages"] = t2 - t1
         metrics["time/update"] = t3 - t2
         metrics["time/step"] = t3 - t0
-        metrics["perf/gen_tokens_per_sec"] = gen_tokens / max(t1 - t0, 1e-9)
+        metrics["perf/gen_tokens_per_sec"] = gen_tokens / max(stats["time/generate"], 1e-9)
         self.last_batch = batch
         return metrics
 

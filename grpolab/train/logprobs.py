@@ -7,12 +7,13 @@ import torch
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False):
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False):
     """log softmax(logits / T) of each completion token, (B, C); 0 at masked positions.
 
     One forward over [left-padded prompt | completion]; the logits at position j predict
     token j+1, so completion token t is scored by the logits at P - 1 + t. With
-    with_entropy, also returns the per-token entropy of that distribution (detached).
+    with_entropy, also returns the per-token entropy of that distribution (differentiable only
+    with entropy_grad, for an entropy bonus).
     """
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     valid = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -26,6 +27,6 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     logp = logp * completion_mask
     if not with_entropy:
         return logp
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

@@ -1,0 +1,150 @@
+"""The algorithm family wired into the trainer: presets, dynamic sampling, KL in reward,
+truncation masking, entropy bonus, overlong shaping, reference sync. Real tiny model, real steps."""
+
+import copy
+
+import pytest
+import torch
+
+from grpolab.algorithms.presets import PRESETS
+from grpolab.config import ConfigError, load_config
+from grpolab.logging.console import Console
+from grpolab.pipeline import load_data, load_policy, setup_torch
+from grpolab.train.grpo import GRPOTrainer
+from test_grpo import EASY, TINY
+
+# A reward that varies within a group only for prompts whose first number is odd: groups of
+# even-numbered prompts are all 0 and carry no signal (what dynamic sampling drops).
+PARITY_REWARD = """
+import re
+def parity_len(prompts, completions, **_):
+    out = []
+    for p, c in zip(prompts, completions):
+        first = int(re.search(r"\\d+", p).group())
+        out.append(0.0 if first % 2 == 0 else float(len(c)))
+    return out
+"""
+
+
+def _trainer(tmp_path, *overrides, base=TINY):
+    cfg = load_config(None, base + [f"train.output_dir={tmp_path}", *overrides])
+    setup_torch(cfg)
+    train_rows, test_rows = load_data(cfg)
+    model, tok = load_policy(cfg, train_rows, Console(quiet=True))
+    return GRPOTrainer(cfg, model, tok, train_rows, test_rows, tmp_path)
+
+
+def test_preset_sets_its_keys_and_explicit_keys_win():
+    cfg = load_config(None, ["algorithm.preset=dapo"])
+    for key, value in PRESETS["dapo"].items():
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == value, key
+    cfg = load_config(None, ["algorithm.beta=0.1", "algorithm.preset=grpo"])
+    assert cfg.algorithm.beta == 0.1 and cfg.algorithm.loss_agg_mode == PRESETS["grpo"]["algorithm.loss_agg_mode"]
+    with pytest.raises(ConfigError, match="algorithm.preset: 'nope' is not one of"):
+        load_config(None, ["algorithm.preset=nope"])
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
+    fn = tmp_path / "parity.py"
+    fn.write_text(PARITY_REWARD)
+    tr = _trainer(tmp_path, f"reward.functions=[{fn}:parity_len]", "algorithm.dynamic_sampling=true",
+                  "algorithm.max_sampling_rounds=6", "rollout.prompts_per_step=3")
+    batch, stats = tr.collect()
+    groups = batch.group_ids.unique()
+    assert len(groups) == 3 and len(batch) == 3 * 4
+    for g in groups:   # every kept group has unequal rewards and one prompt
+        r = batch.rewards[batch.group_ids == g]
+        assert r.max() > r.min()
+        assert len({batch.prompts[i] for i in (batch.group_ids == g).nonzero().flatten().tolist()}) == 1
+    assert stats["dynamic_sampling/rounds"] >= 1 and stats["dynamic_sampling/kept_groups"] == 3
+    # prompt/completion ids stay aligned with the texts after merging rounds
+    for i in range(len(batch)):
+        ids = batch.gen.completion_ids[i][batch.gen.completion_mask[i]]
+        assert tr.tok.decode(ids.tolist()) == batch.completions[i]
+        p = batch.gen.prompt_ids[i][batch.gen.prompt_mask[i]].tolist()
+        assert p == tr.tok.render_prompt(batch.prompts[i])
+    m = tr.train_step()
+    assert "dynamic_sampling/rounds" in m and 0 <= m["frac_reward_zero_std"] <= 1
+
+
+def test_mask_truncated_completions_leaves_no_loss(tmp_path):
+    # 3 new tokens: nothing finishes, so every completion is truncated and masked out
+    tr = _trainer(tmp_path, "rollout.max_new_tokens=3", "algorithm.mask_truncated_completions=true",
+                  "reward.functions=[length]")
+    before = copy.deepcopy(tr.model.state_dict())
+    m = tr.train_step()
+    assert m["completions/clipped_ratio"] == 1.0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+
+
+def test_kl_in_reward_changes_advantages_not_loss_terms(tmp_path):
+    tr = _trainer(tmp_path, "algorithm.beta=0.5", "algorithm.kl_in_reward=true", "algorithm.kl_estimator=k1",
+                  "reward.functions=[length]")
+    tr.train_step()   # move the policy away from the reference
+    batch, _ = tr.collect()
+    ref_lp = tr.ref_logprobs(batch)
+    out = tr.advantages(batch, ref_lp)
+    m = batch.gen.completion_mask
+    kl_sum = ((batch.gen.sampler_logprobs - ref_lp) * m).sum(-1)
+    shaped = batch.rewards - 0.5 * kl_sum
+    # plain GRPO z-score of the shaped rewards, per group of 4
+    want = []
+    for g in range(len(batch) // 4):
+        x = shaped[4 * g:4 * g + 4].double()
+        want += ((x - x.mean()) / (x.std(unbiased=False) + 1e-4)).tolist()
+    torch.testing.assert_close(batch.advantages.double(), torch.tensor(want, dtype=torch.double), atol=1e-4, rtol=0)
+    assert "kl" in out
+    assert "kl" not in tr.update(batch, ref_lp)   # not in the loss as well
+
+
+def test_ref_sync_with_alpha_one_copies_the_policy(tmp_path):
+    tr = _trainer(tmp_path, "algorithm.beta=0.04", "algorithm.ref_sync_steps=1", "algorithm.ref_sync_alpha=1.0",
+                  "reward.functions=[length]", "optim.lr=1e-2")
+    ref0 = copy.deepcopy(tr.ref.state_dict())
+    tr.train_step()
+    assert any(not torch.equal(ref0[k], v) for k, v in tr.ref.state_dict().items())
+    for (k, a), b in zip(tr.model.state_dict().items(), tr.ref.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_entropy_bonus_changes_the_update(tmp_path):
+    grads = []
+    for coef in (0.0, 0.5):
+        tr = _trainer(tmp_path / str(coef), f"algorithm.entropy_coef={coef}", "reward.functions=[length]")
+        grads.append(tr.train_step()["grad_norm"])
+    assert grads[0] != grads[1]
+
+
+def test_overlong_shaping_penalises_long_completions(tmp_path):
+    tr = _trainer(tmp_path, "algorithm.overlong_buffer=6", "algorithm.overlong_penalty=1.0",
+                  "reward.functions=[format]")
+    batch, _ = tr.collect()
+    L = batch.gen.completion_mask.sum(-1).float()
+    want = -((L - 6).clamp(min=0) / 6)
+    torch.testing.assert_close(batch.reward_columns["overlong"], want)
+    torch.testing.assert_close(batch.rewards, batch.reward_columns["format"] + want)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_trains_without_nan_and_reward_rises(tmp_path, preset, easy_policy):
+    """30 steps per preset from the same warm-started model on the easy setting."""
+    cfg = load_config(None, EASY + [f"algorithm.preset={preset}", "train.max_steps=30",
+                                    f"train.output_dir={tmp_path}"])
+    setup_torch(cfg)
+    model, tok, train_rows, test_rows = easy_policy
+    history = GRPOTrainer(cfg, copy.deepcopy(model), tok, train_rows, test_rows, tmp_path).train()
+    for m in history:
+        assert all(v == v for v in m.values() if isinstance(v, float)), m   # no NaN
+    first = sum(m["reward"] for m in history[:10]) / 10
+    last = sum(m["reward"] for m in history[-10:]) / 10
+    assert last > first, (preset, first, last)
+
+
+@pytest.fixture(scope="module")
+def easy_policy(tmp_path_factory):
+    cfg = load_config(None, EASY + [f"train.output_dir={tmp_path_factory.mktemp('easy')}"])
+    setup_torch(cfg)
+    train_rows, test_rows = load_data(cfg)
+    model, tok = load_policy(cfg, train_rows, Console(quiet=True))
+    return model, tok, train_rows, test_rows

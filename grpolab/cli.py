@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"grpolab: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("grpolab: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"grpolab: {e or 'interrupted'}", file=sys.stderr)
         return 130
 
 

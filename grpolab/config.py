@@ -140,6 +140,9 @@ class TrainConfig:
     eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end)
     log_every: int = 1             # console line every N steps
     threads: int = 0               # torch CPU threads; 0 = all cores
+    resume: str | None = None      # auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir:
+    #                                restores model, reference, optimizer, scheduler, RNG and data position
+    keep_checkpoints: int = 3      # keep the newest N checkpoints (0 = keep all)
 
 
 @dataclass
@@ -396,6 +399,7 @@ def validate(cfg: Config) -> None:
     for k in ("save_every", "eval_every", "threads"):
         _need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
     _need(t.log_every >= 1, "train.log_every: must be >= 1")
+    _need(t.keep_checkpoints >= 0, "train.keep_checkpoints: must be >= 0 (0 = keep all)")
 
     e = cfg.eval
     _need(e.num_problems >= 1, "eval.num_problems: must be >= 1")

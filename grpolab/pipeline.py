@@ -17,7 +17,7 @@ from .eval import evaluate
 from .logging.console import Console
 from .models import CharTokenizer, build_builtin
 from .models.hf import load_hf, resolve_device
-from .train.checkpoint import load_model
+from .train.checkpoint import find_resume_checkpoint, load_model
 from .train.grpo import GRPOTrainer
 from .train.sft import train_sft
 
@@ -116,11 +116,19 @@ def write_run_config(cfg: Config, run_dir: Path) -> None:
 
 def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
+    ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
     train_rows, test_rows = load_data(cfg)
-    model, tok = load_policy(cfg, train_rows, console)
+    if ckpt is not None:   # the checkpoint holds the policy: no warm start again
+        console.info(f"resuming from {ckpt}")
+        model, tok = load_model(ckpt, dtype=cfg.model.dtype, device=cfg.model.device)
+    else:
+        model, tok = load_policy(cfg, train_rows, console)
     train_rows = fit_prompts(cfg, model, tok, train_rows, console, "train")
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
-    return GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+    trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+    if ckpt is not None:
+        trainer.restore(ckpt)
+    return trainer
 
 
 def run_train(cfg: Config, console: Console | None = None) -> dict:

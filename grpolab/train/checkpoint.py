@@ -32,7 +32,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
-                    trainer_state: dict | None = None) -> Path:
+                    trainer_state: dict | None = None, rng: dict | None = None, ref_model=None) -> Path:
     """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint."""
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -53,6 +53,11 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
     if optimizer is not None:
         torch.save({"optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
+    if rng is not None:
+        torch.save(rng, tmp / "rng.pt")
+    if ref_model is not None:
+        ref = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
+        save_file({k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(tmp / "ref.safetensors"))
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
     for f in tmp.rglob("*"):
         if f.is_file():
@@ -82,3 +87,52 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     model.load_state_dict(load_file(str(p / "model.safetensors")))
     model.to(device).eval()
     return model, CharTokenizer()
+
+
+def _step_of(p: Path) -> int:
+    return int(p.name.split("_", 1)[1])
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """Complete checkpoints (step_N; never the .tmp_ ones a crash may leave), oldest first."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()
+             and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=_step_of)
+
+
+def prune_checkpoints(ckpt_root: str | Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (keep 0 = keep all)."""
+    if keep > 0:
+        for p in list_checkpoints(ckpt_root)[:-keep]:
+            shutil.rmtree(p)
+
+
+def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
+    """train.resume: 'auto' -> the newest checkpoint under output_dir (None if there is none); else the path."""
+    if resume == "auto":
+        found = list_checkpoints(Path(output_dir) / "checkpoints")
+        return found[-1] if found else None
+    p = Path(resume)
+    if not (p / "trainer_state.json").is_file() or not (p / "optimizer.pt").is_file():
+        raise FileNotFoundError(f"train.resume: {resume!r} is not a training checkpoint (checkpoints/step_N "
+                                f"with trainer_state.json and optimizer.pt)")
+    return p
+
+
+def load_training_state(path: str | Path, model, ref_model=None) -> dict:
+    """Load a checkpoint's weights into `model` (and `ref_model`) in place; return optimizer,
+    scheduler, RNG and trainer state."""
+    p = Path(path)
+    loaded, _ = load_model(p, device=str(next(model.parameters()).device))
+    model.load_state_dict(loaded.state_dict())
+    if ref_model is not None:
+        target = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
+        if (p / "ref.safetensors").is_file():
+            target.load_state_dict(load_file(str(p / "ref.safetensors")), strict=False)
+    opt = torch.load(p / "optimizer.pt", weights_only=False)
+    rng = torch.load(p / "rng.pt", weights_only=False) if (p / "rng.pt").is_file() else {}
+    trainer = json.loads((p / "trainer_state.json").read_text())
+    return {"optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng, "trainer": trainer}

@@ -14,7 +14,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from ..rewards import reward_name
 from ..rewards.combine import score
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import generate
-from .checkpoint import save_checkpoint
+from .checkpoint import load_training_state, prune_checkpoints, save_checkpoint
 from .logprobs import completion_logprobs
 
 
@@ -73,6 +76,10 @@ class PromptSampler:
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._perm(self.epoch)
 
 
 class GRPOTrainer:
@@ -295,12 +302,17 @@ class GRPOTrainer:
         return metrics
 
     def train(self) -> list[dict]:
-        """Run train.max_steps steps, writing metrics.jsonl and checkpoints. Returns all step metrics."""
+        """Run train.max_steps steps, writing metrics.jsonl and checkpoints. Returns this call's step metrics.
+
+        SIGINT/SIGTERM finish the current step, save a checkpoint and raise KeyboardInterrupt.
+        """
         t = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        history = []
+        history: list[dict] = []
         start = time.perf_counter()
-        with open(self.run_dir / "metrics.jsonl", "w") as f:
+        stop = _StopFlag()
+        # a resumed run appends after the lines its checkpoint already covers
+        with stop, open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") as f:
             while self.step < t.max_steps:
                 m = self.train_step()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
@@ -310,12 +322,65 @@ class GRPOTrainer:
                 f.flush()
                 if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
                     self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
-                if t.save_every and self.step % t.save_every == 0:
+                if stop.signal is not None:
+                    self.save()
+                    raise KeyboardInterrupt(f"stopped by {stop.signal} after step {self.step}; "
+                                            f"checkpoint saved, continue with train.resume=auto")
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
                     self.save()
         self.save()
         return history
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
-                               optimizer=self.opt,
-                               scheduler=self.sched, trainer_state={"sampler": self.sampler.state()})
+        a = self.cfg.algorithm
+        rng = {"torch": torch.get_rng_state(), "generator": self.gen.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
+                               optimizer=self.opt, scheduler=self.sched, rng=rng,
+                               ref_model=self.ref if a.beta > 0 else None,
+                               trainer_state={"sampler": self.sampler.state()})
+        prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
+        return path
+
+    def restore(self, ckpt: str | Path) -> None:
+        """Continue exactly from a checkpoint written by `save`: weights, reference, optimizer,
+        scheduler, RNG states, data position and step; metrics.jsonl is cut back to that step."""
+        state = load_training_state(ckpt, self.model, self.ref)
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.gen.set_state(state["rng"]["generator"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.sampler.restore(state["trainer"]["sampler"])
+        self.step = state["trainer"]["step"]
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            keep = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+            tmp = metrics.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            os.replace(tmp, metrics)
+
+
+class _StopFlag:
+    """Within `with`: SIGINT/SIGTERM set `.signal` instead of killing the step half-way."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal is not None:   # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

@@ -146,3 +146,22 @@ def test_gsm8k_tiny_hf_config_runs_on_the_real_files(tmp_path):
     assert ckpts[-1].name == "step_3"
     AutoModelForCausalLM.from_pretrained(str(ckpts[-1]))
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_hf_resume_with_a_reference_model(tiny_dir, tmp_path):
+    """Tied embeddings in the reference checkpoint; a resumed HF run continues to the same metrics."""
+    _gsm8k_file(tmp_path / "train.jsonl", arithmetic.generate("train", 40, seed=1))
+    _gsm8k_file(tmp_path / "test.jsonl", arithmetic.generate("test", 6, seed=1))
+    common = [f"model.name_or_path={tiny_dir}", "data.task=gsm8k", f"data.train_path={tmp_path}",
+              "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=8",
+              "reward.functions=[format]", "algorithm.beta=0.04", "eval.num_problems=2", "eval.k=2",
+              "train.save_every=1"]
+    r = run_cli("train", *common, "train.max_steps=3", f"train.output_dir={tmp_path / 'a'}")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train", *common, "train.max_steps=2", f"train.output_dir={tmp_path / 'b'}")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train", *common, "train.max_steps=3", f"train.output_dir={tmp_path / 'b'}", "train.resume=auto")
+    assert r.returncode == 0, r.stderr
+    strip = lambda p: [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+                       for x in open(p)]
+    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")

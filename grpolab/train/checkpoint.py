@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_model as load_safetensors_model
 
 from ..models import GPT, GPTConfig, CharTokenizer
 from ..models.hf import HFPolicy, load_hf
@@ -57,7 +58,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
         torch.save(rng, tmp / "rng.pt")
     if ref_model is not None:
         ref = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
-        save_file({k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(tmp / "ref.safetensors"))
+        save_model(ref, str(tmp / "ref.safetensors"))   # save_model handles tied (shared) weights
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
     for f in tmp.rglob("*"):
         if f.is_file():
@@ -131,7 +132,7 @@ def load_training_state(path: str | Path, model, ref_model=None) -> dict:
     if ref_model is not None:
         target = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
         if (p / "ref.safetensors").is_file():
-            target.load_state_dict(load_file(str(p / "ref.safetensors")), strict=False)
+            load_safetensors_model(target, str(p / "ref.safetensors"))
     opt = torch.load(p / "optimizer.pt", weights_only=False)
     rng = torch.load(p / "rng.pt", weights_only=False) if (p / "rng.pt").is_file() else {}
     trainer = json.loads((p / "trainer_state.json").read_text())

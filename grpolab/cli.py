@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="where to write eval.json (default: the checkpoint dir)")
     e.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
+    r = sub.add_parser("report", help="write RUN_DIR/report.html: plots of metrics.jsonl and sampled completions")
+    r.add_argument("run_dir", help="a run directory (train.output_dir or the demo's --out)")
+
     m = sub.add_parser("tiny-model", help="write a tiny random Llama + BPE tokenizer (HF layout) for CPU runs")
     m.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
     m.add_argument("--data", default=None, help="jsonl file whose 'question'/'prompt' and 'answer' texts "
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import pipeline  # imported late so `grpolab --help` is instant
         from .data.loading import DataError
         from .rewards.errors import RewardError
+        from .train.grpo import TrainingError
 
         if args.command == "demo":
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.run_train(load_config(config_path, overrides))
         elif args.command == "eval":
             pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
+        elif args.command == "report":
+            from .logging.report import write_report
+            print(write_report(args.run_dir))
         elif args.command == "tiny-model":
             _tiny_model(args)
         return 0
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"grpolab: config error: {e}", file=sys.stderr)
         return 2
-    except (DataError, RewardError) as e:
+    except (DataError, RewardError, TrainingError) as e:
         if args.debug:
             raise
         print(f"grpolab: {type(e).__name__.replace('Error', '').lower()} error: {e}", file=sys.stderr)

@@ -143,6 +143,17 @@ class TrainConfig:
     resume: str | None = None      # auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir:
     #                                restores model, reference, optimizer, scheduler, RNG and data position
     keep_checkpoints: int = 3      # keep the newest N checkpoints (0 = keep all)
+    max_bad_steps: int = 5         # steps with a NaN/inf loss or gradient are skipped (no update); abort after N
+
+
+@dataclass
+class LogConfig:
+    level: str = "normal"          # quiet (results and errors only) | normal (a line per step) | verbose
+    #                                (also a table of sampled completions every log.samples_every steps)
+    samples_every: int = 10        # write samples of the step's completions to samples.jsonl every N steps; 0 = off
+    samples_per_step: int = 8      # completions written (and shown in verbose mode) per sampled step
+    tensorboard: bool = False      # TensorBoard scalars in <output_dir>/tensorboard (needs `tensorboard`)
+    wandb_project: str | None = None  # log to this Weights & Biases project (needs `wandb`; imported only then)
 
 
 @dataclass
@@ -166,6 +177,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -400,6 +412,12 @@ def validate(cfg: Config) -> None:
         _need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
     _need(t.log_every >= 1, "train.log_every: must be >= 1")
     _need(t.keep_checkpoints >= 0, "train.keep_checkpoints: must be >= 0 (0 = keep all)")
+    _need(t.max_bad_steps >= 0, "train.max_bad_steps: must be >= 0")
+
+    lg = cfg.log
+    _choice("log.level", lg.level, ("quiet", "normal", "verbose"))
+    _need(lg.samples_every >= 0, "log.samples_every: must be >= 0 (0 = off)")
+    _need(lg.samples_per_step >= 1, "log.samples_per_step: must be >= 1")
 
     e = cfg.eval
     _need(e.num_problems >= 1, "eval.num_problems: must be >= 1")

@@ -133,7 +133,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
 
 def run_train(cfg: Config, console: Console | None = None) -> dict:
     """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
-    console = console or Console()
+    console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
@@ -141,13 +141,14 @@ def run_train(cfg: Config, console: Console | None = None) -> dict:
     trainer.train()
     final = trainer.evaluate()
     (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
-    console.info("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    _report(run_dir, console)
     return final
 
 
 def run_demo(cfg: Config, console: Console | None = None) -> dict:
     """Warm start, evaluate, GRPO, evaluate; print a before/after table; write summary.json."""
-    console = console or Console()
+    console = console or Console(level=cfg.log.level)
     t0 = time.perf_counter()
     setup_torch(cfg)
     run_dir = Path(cfg.train.output_dir)
@@ -168,15 +169,21 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     console.info("")
     console.table(["metric (held-out)", "before", "after", "change"],
-                  [[k, before[k], after[k], after[k] - before[k]] for k in EVAL_KEYS if k in before])
-    console.info(f"\nwall time {wall:.0f}s; summary in {run_dir / 'summary.json'}")
+                  [[k, before[k], after[k], after[k] - before[k]] for k in EVAL_KEYS if k in before], always=True)
+    console.result(f"\nwall time {wall:.0f}s; summary in {run_dir / 'summary.json'}")
+    _report(run_dir, console)
     return summary
+
+
+def _report(run_dir: Path, console: Console) -> None:
+    from .logging.report import write_report
+    console.result(f"report: {write_report(run_dir)}")
 
 
 def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:
     """Evaluate a checkpoint (ours, or any Hugging Face model directory) on the test split;
     writes eval.json and eval_samples.jsonl to `out` and prints a table."""
-    console = console or Console()
+    console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=cfg.model.device)
     _, test_rows = load_data(cfg)
@@ -192,5 +199,5 @@ def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: 
     with open(out_dir / "eval_samples.jsonl", "w") as f:
         for s in samples:
             f.write(json.dumps(s) + "\n")
-    console.table(["metric", "value"], [[k, v] for k, v in res.items()])
+    console.table(["metric", "value"], [[k, v] for k, v in res.items()], always=True)
     return res

@@ -148,3 +148,20 @@ def easy_policy(tmp_path_factory):
     train_rows, test_rows = load_data(cfg)
     model, tok = load_policy(cfg, train_rows, Console(quiet=True))
     return model, tok, train_rows, test_rows
+
+
+def test_non_finite_loss_skips_the_update_then_aborts(tmp_path):
+    from grpolab.train.grpo import TrainingError
+    tr = _trainer(tmp_path, "reward.functions=[length]", "train.max_bad_steps=1")
+    for n in (1, 2):
+        batch, _ = tr.collect()
+        tr.advantages(batch, None)
+        batch.advantages[0] = float("nan")   # a poisoned value reaches the loss
+        before = copy.deepcopy(tr.model.state_dict())
+        if n == 1:
+            tr.update(batch)
+            assert tr.bad_steps == 1
+            assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())   # no update
+        else:
+            with pytest.raises(TrainingError, match="non-finite loss .* train.max_bad_steps=1"):
+                tr.update(batch)

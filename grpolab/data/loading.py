@@ -298,5 +298,5 @@ def filter_long_prompts(rows: list[dict], count_tokens: Callable[[object], int],
         elif on_long == "error":
             raise DataError(f"row {i}: prompt is {n} tokens, over data.max_prompt_length={max_length} "
                             f"({_preview(row['prompt'], 50)}); raise data.max_prompt_length or drop long prompts "
-                            "(on_long='drop')")
+                            "(data.on_long_prompt=drop)")
     return kept, len(rows) - len(kept)

@@ -35,6 +35,7 @@ from ..rewards import reward_name
 from ..rewards.combine import score
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import generate
+from ..logging.trackers import Trackers
 from .checkpoint import load_training_state, prune_checkpoints, save_checkpoint
 from .logprobs import completion_logprobs
 
@@ -49,6 +50,10 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     if schedule == "linear":
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many non-finite steps); the message says why and what to change."""
 
 
 class PromptSampler:
@@ -100,6 +105,7 @@ class GRPOTrainer:
         self.device = next(model.parameters()).device
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
         self.step = 0
+        self.bad_steps = 0
 
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
@@ -107,10 +113,17 @@ class GRPOTrainer:
         rows = self.sampler.next(r.prompts_per_step)
         G = r.num_generations
         self.model.eval()
-        gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
-                       max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                       top_p=r.top_p, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
-                       generator=self.gen)
+        try:
+            gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
+                           max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                           top_p=r.top_p, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
+                           generator=self.gen)
+        except RuntimeError as e:
+            if "probability tensor" not in str(e):
+                raise
+            raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
+                                f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
+                                f"from an earlier checkpoint") from None
         completions = [self.tok.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.completion_mask)]
         keys = [k for k in rows[0] if k != "prompt"]
         return RolloutBatch(
@@ -239,7 +252,11 @@ class GRPOTrainer:
                 for k, v in cm.items():
                     sums[k] += v
             max_norm = self.cfg.optim.max_grad_norm or float("inf")
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            grad_norms.append(norm)
+            if not (math.isfinite(norm) and math.isfinite(sums["loss"])):
+                self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
+                break
             self.opt.step()
         self.sched.step()
         self.model.eval()
@@ -251,6 +268,17 @@ class GRPOTrainer:
         for k in ("low", "high", "region"):
             out[f"clip_ratio/{k}_mean"] = sums[f"clip_ratio/{k}_sum"] / passes / max(n_tok, 1)
         return out
+
+    def _bad_step(self, loss: float, norm: float) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.bad_steps += 1
+        limit = self.cfg.train.max_bad_steps
+        msg = (f"step {self.step + 1}: non-finite loss ({loss}) or gradient norm ({norm}); update skipped "
+               f"({self.bad_steps} so far, train.max_bad_steps={limit})")
+        if self.bad_steps > limit:
+            raise TrainingError(msg + "; lower optim.lr or check the reward functions")
+        if self.console is not None:
+            self.console.warn(msg)
 
     # ------------------------------------------------------------ the loop
     def evaluate(self) -> dict:
@@ -298,6 +326,8 @@ class GRPOTrainer:
         metrics["time/update"] = t3 - t2
         metrics["time/step"] = t3 - t0
         metrics["perf/gen_tokens_per_sec"] = gen_tokens / max(stats["time/generate"], 1e-9)
+        trained = float(batch.gen.completion_mask.sum()) * self.cfg.algorithm.num_iterations
+        metrics["perf/train_tokens_per_sec"] = trained / max(t3 - t2, 1e-9)
         self.last_batch = batch
         return metrics
 
@@ -310,9 +340,12 @@ class GRPOTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         history: list[dict] = []
         start = time.perf_counter()
+        if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
+            (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
         stop = _StopFlag()
+        trackers = Trackers(self.cfg, self.run_dir)
         # a resumed run appends after the lines its checkpoint already covers
-        with stop, open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") as f:
+        with stop, trackers, open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") as f:
             while self.step < t.max_steps:
                 m = self.train_step()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
@@ -320,6 +353,9 @@ class GRPOTrainer:
                 history.append(m)
                 f.write(json.dumps(m) + "\n")
                 f.flush()
+                trackers.log(m, self.step)
+                if self.cfg.log.samples_every and self.step % self.cfg.log.samples_every == 0:
+                    self._write_samples()
                 if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
                     self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
                 if stop.signal is not None:
@@ -330,6 +366,26 @@ class GRPOTrainer:
                     self.save()
         self.save()
         return history
+
+    def _write_samples(self) -> None:
+        """Append the last batch's first log.samples_per_step completions to samples.jsonl."""
+        b = self.last_batch
+        n = min(self.cfg.log.samples_per_step, len(b))
+        names = {spec: reward_name(spec) for spec in b.reward_columns}
+        records = []
+        for i in range(n):
+            rewards = {}
+            for spec, col in b.reward_columns.items():
+                v = float(col[i])
+                rewards[names[spec]] = None if math.isnan(v) else v
+            records.append({"step": self.step, "prompt": b.prompts[i], "completion": b.completions[i],
+                            "reward": float(b.rewards[i]), "rewards": rewards,
+                            "advantage": float(b.advantages[i])})
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        if self.console is not None:
+            self.console.samples(self.step, records)
 
     def save(self) -> Path:
         a = self.cfg.algorithm
@@ -355,12 +411,13 @@ class GRPOTrainer:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.sampler.restore(state["trainer"]["sampler"])
         self.step = state["trainer"]["step"]
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            keep = [ln for ln in metrics.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-            tmp = metrics.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, metrics)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.run_dir / name
+            if path.exists():
+                keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(ln + "\n" for ln in keep))
+                os.replace(tmp, path)
 
 
 class _StopFlag:

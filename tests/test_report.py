@@ -1,0 +1,143 @@
+"""grpolab.logging.report: the HTML run report built from a run directory's files."""
+
+import base64
+import io
+import json
+import math
+import re
+import sys
+
+import pytest
+
+from grpolab.logging.report import PLOTS, write_report
+
+PNG_SIG = b"\x89PNG\r\n\x1a\n"
+STEPS = 20
+EVAL_STEPS = (5, 10, 15, 20)
+
+
+def _metrics_row(step: int, *, full: bool = True) -> dict:
+    t = step / STEPS
+    m = {"step": step, "reward": 0.2 + 0.5 * t, "reward_std": 0.3 - 0.1 * t, "frac_reward_zero_std": 0.5 - 0.3 * t,
+         "rewards/math_accuracy/mean": 0.1 + 0.6 * t, "rewards/math_accuracy/std": 0.3,
+         "rewards/format/mean": 0.5 + 0.4 * t, "rewards/format/std": 0.2,
+         "loss": 0.01 * math.sin(step), "entropy": 1.5 - 0.5 * t,
+         "clip_ratio/low_mean": 0.01 * t, "clip_ratio/high_mean": 0.02 * t, "clip_ratio/region_mean": 0.03 * t,
+         "grad_norm": 1.0 + 0.1 * math.cos(step), "lr": 1e-6 * min(1.0, step / 5),
+         "completions/mean_length": 120 - 2 * step, "completions/clipped_ratio": 0.25 - 0.01 * step,
+         "perf/gen_tokens_per_sec": 900.0 + step}
+    if full:
+        m["kl"] = 0.001 * step
+        m.update({"time/generate": 2.0, "time/reward": 0.1, "time/ref_and_advantages": 0.4, "time/update": 1.2,
+                  "time/step": 3.75})
+        if step in EVAL_STEPS:
+            m.update({"eval/greedy_accuracy": 0.3 + 0.01 * step, "eval/pass@1": 0.25 + 0.01 * step,
+                      "eval/pass@8": 0.6 + 0.01 * step, "eval/maj@8": 0.4 + 0.01 * step})
+    return m
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _sample(step, i, completion):
+    return {"step": step, "prompt": [{"role": "system", "content": "Think, then answer after ####."},
+                                     {"role": "user", "content": f"What is {i} + {step}?"}],
+            "completion": completion, "reward": 1.0 if i % 2 else 0.0,
+            "rewards": {"math_accuracy": 1.0 if i % 2 else 0.0, "format": None}, "advantage": 0.5 - i * 0.25}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    _write_jsonl(d / "metrics.jsonl", [_metrics_row(s) for s in range(1, STEPS + 1)])
+    samples = [_sample(1, i, f"early answer {i} <b>bold?</b> & more\n#### {i}") for i in range(6)]
+    samples += [_sample(10, i, f"middle step completion {i}") for i in range(2)]
+    samples += [_sample(STEPS, i, f"late answer {i} x<y\n#### {i + STEPS}") for i in range(6)]
+    _write_jsonl(d / "samples.jsonl", samples)
+    (d / "summary.json").write_text(json.dumps({
+        "before": {"greedy_accuracy": 0.3125, "pass@1": 0.2875, "pass@8": 0.6125},
+        "after": {"greedy_accuracy": 0.5625, "pass@1": 0.4875, "pass@8": 0.8125},
+        "steps": STEPS, "seed": 1234, "wall_seconds": 321.5, "rollout_tokens_per_sec": 910.5}))
+    (d / "config.yaml").write_text("model:\n  name: tiny  # <not a tag>\ntrain:\n  max_steps: 20\n")
+    out = write_report(d)
+    return d, out, out.read_text(encoding="utf-8")
+
+
+def _check_png(data: bytes):
+    assert data[:8] == PNG_SIG
+    from PIL import Image
+    with Image.open(io.BytesIO(data)) as im:
+        im.verify()
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.size[0] > 0 and im.size[1] > 0
+
+
+def test_full_report_files_and_images(full_run):
+    d, out, page = full_run
+    assert out == d / "report.html" and out.is_file()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    pngs = sorted((d / "report").glob("*.png"))
+    assert {p.stem for p in pngs} == set(PLOTS) and len(pngs) >= 6
+    for p in pngs:
+        _check_png(p.read_bytes())
+    embedded = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(embedded) == len(PLOTS) >= 6
+    for b64 in embedded:
+        _check_png(base64.b64decode(b64))
+    # the embedded image is the file written beside it
+    assert base64.b64decode(embedded[0]) == (d / "report" / f"{PLOTS[0]}.png").read_bytes()
+    assert "not logged in this run" not in page   # nothing to placeholder here; placeholders are in PNGs only
+
+
+def test_full_report_tables_samples_config(full_run):
+    d, _, page = full_run
+    # summary.json numbers: before, after, change and run facts
+    for s in ("0.3125", "0.5625", "0.25", "0.2875", "0.4875", "0.6125", "0.8125", "1234", "321.5", "910.5"):
+        assert s in page, s
+    assert "greedy_accuracy" in page and "pass@8" in page
+    # samples: escaped, from the first and last step only, at most 4 each
+    assert "&lt;b&gt;bold?&lt;/b&gt; &amp; more" in page
+    assert "<b>bold?</b>" not in page
+    assert "late answer 0 x&lt;y" in page
+    assert "start of training: step 1" in page and f"end of training: step {STEPS}" in page
+    assert "early answer 3" in page and "early answer 4" not in page
+    assert "late answer 3" in page and "late answer 4" not in page
+    assert "middle step completion" not in page
+    assert "What is 0 + 1?" in page and "[system] Think, then answer after ####." in page
+    assert "math_accuracy=1" in page and "format=—" in page
+    # config, escaped inside <pre>
+    assert "&lt;not a tag&gt;" in page and "max_steps: 20" in page
+
+
+def test_missing_metrics_names_the_directory(tmp_path):
+    d = tmp_path / "not_a_run"
+    d.mkdir()
+    with pytest.raises(FileNotFoundError, match="not_a_run"):
+        write_report(d)
+    assert not (d / "report.html").exists()
+
+
+def test_minimal_metrics_without_kl_eval_time(tmp_path):
+    rows = [_metrics_row(s, full=False) for s in range(1, 6)]
+    rows[2]["reward"] = float("nan")       # NaN values are skipped, not plotted
+    rows[3].pop("entropy")                 # and any key may be missing on a step
+    _write_jsonl(tmp_path / "metrics.jsonl", rows)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rew')         # a torn last line of a run still writing
+    page = write_report(tmp_path).read_text(encoding="utf-8")
+    pngs = sorted((tmp_path / "report").glob("*.png"))
+    assert len(pngs) == len(PLOTS)
+    for p in pngs:
+        _check_png(p.read_bytes())
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == len(PLOTS)
+    assert "Sampled completions" not in page and "summary.json" not in page and "config.yaml" not in page
+
+
+def test_without_matplotlib_still_writes_tables(tmp_path, monkeypatch):
+    _write_jsonl(tmp_path / "metrics.jsonl", [_metrics_row(s) for s in range(1, 4)])
+    (tmp_path / "eval.json").write_text(json.dumps({"greedy_accuracy": 0.4375, "pass@1": 0.375}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` now raises ImportError
+    page = write_report(tmp_path).read_text(encoding="utf-8")
+    assert "pip install matplotlib" in page and "data:image/png" not in page
+    assert "0.4375" in page and "eval.json" in page

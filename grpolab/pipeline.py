@@ -127,7 +127,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
     trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
     if ckpt is not None:
-        trainer.restore(ckpt)
+        trainer.restore(ckpt, weights=False)   # the policy was loaded from ckpt above
     return trainer
 
 

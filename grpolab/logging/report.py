@@ -188,21 +188,26 @@ def _plot_eval(ax, rows, keys, summary, last_step) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
-def _plot_length(ax, rows) -> None:
-    lx, ly = _series(rows, "completions/mean_length")
-    cx, cy = _series(rows, "completions/clipped_ratio")
-    if not ly and not cy:
-        return _placeholder(ax, "completion length")
-    ax.set_title("completion length")
+def _plot_twin(ax, rows, title, placeholder, left, right, right_color, *, right_from_zero=False,
+               right_sci=False) -> None:
+    """Two series on one step axis: `left` = (key, label) on the left y-axis in C0, `right` dashed on a twin."""
+    lx, ly = _series(rows, left[0])
+    rx, ry = _series(rows, right[0])
+    if not ly and not ry:
+        return _placeholder(ax, placeholder)
+    ax.set_title(title)
     ax.set_xlabel("step")
     if ly:
-        ax.plot(lx, ly, color="C0", label="mean length (tokens)")
-        ax.set_ylabel("mean length (tokens)", color="C0")
-    if cy:
+        ax.plot(lx, ly, color="C0")
+        ax.set_ylabel(left[1], color="C0")
+    if ry:
         ax2 = ax.twinx()
-        ax2.plot(cx, cy, color="C3", ls="--", label="clipped ratio")
-        ax2.set_ylabel("clipped ratio (hit max_new_tokens)", color="C3")
-        ax2.set_ylim(bottom=0)
+        ax2.plot(rx, ry, color=right_color, ls="--")
+        ax2.set_ylabel(right[1], color=right_color)
+        if right_from_zero:
+            ax2.set_ylim(bottom=0)
+        if right_sci:
+            ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
 
 
 def _plot_single(ax, rows, key, title, why=NOT_LOGGED) -> None:
@@ -248,23 +253,6 @@ def _plot_timing(ax, rows, keys) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
 
-def _plot_grad_lr(ax, rows) -> None:
-    gx, gy = _series(rows, "grad_norm")
-    lx, ly = _series(rows, "lr")
-    if not gy and not ly:
-        return _placeholder(ax, "grad norm / lr")
-    ax.set_title("grad norm and learning rate")
-    ax.set_xlabel("step")
-    if gy:
-        ax.plot(gx, gy, color="C0")
-        ax.set_ylabel("grad_norm", color="C0")
-    if ly:
-        ax2 = ax.twinx()
-        ax2.plot(lx, ly, color="C2", ls="--")
-        ax2.set_ylabel("lr", color="C2")
-        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-
-
 def _draw_plots(rows, summary, out_dir: Path) -> list[tuple[str, str]]:
     """Write out_dir/<name>.png for each of PLOTS; returns [(name, base64 PNG)].
 
@@ -280,13 +268,17 @@ def _draw_plots(rows, summary, out_dir: Path) -> list[tuple[str, str]]:
     drawers = {
         "reward": lambda ax: _plot_reward(ax, rows, keys),
         "eval": lambda ax: _plot_eval(ax, rows, keys, summary, last_step),
-        "length": lambda ax: _plot_length(ax, rows),
+        "length": lambda ax: _plot_twin(ax, rows, "completion length", "completion length",
+                                        ("completions/mean_length", "mean length (tokens)"),
+                                        ("completions/clipped_ratio", "clipped ratio (hit max_new_tokens)"), "C3",
+                                        right_from_zero=True),
         "kl": lambda ax: _plot_single(ax, rows, "kl", "KL to reference",
                                       "not logged in this run (no KL term)"),
         "entropy": lambda ax: _plot_single(ax, rows, "entropy", "policy entropy (per token)"),
         "clip_ratio": lambda ax: _plot_clip(ax, rows),
         "timing": lambda ax: _plot_timing(ax, rows, keys),
-        "grad_lr": lambda ax: _plot_grad_lr(ax, rows),
+        "grad_lr": lambda ax: _plot_twin(ax, rows, "grad norm and learning rate", "grad norm / lr",
+                                         ("grad_norm", "grad_norm"), ("lr", "lr"), "C2", right_sci=True),
     }
     images = []
     for name in PLOTS:

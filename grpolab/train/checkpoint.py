@@ -123,12 +123,14 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
     return p
 
 
-def load_training_state(path: str | Path, model, ref_model=None) -> dict:
-    """Load a checkpoint's weights into `model` (and `ref_model`) in place; return optimizer,
-    scheduler, RNG and trainer state."""
+def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
+    """Load a checkpoint's weights into `model` (skipped when None, e.g. a model just loaded from
+    this checkpoint) and its reference into `ref_model`, in place; return optimizer, scheduler,
+    RNG and trainer state."""
     p = Path(path)
-    loaded, _ = load_model(p, device=str(next(model.parameters()).device))
-    model.load_state_dict(loaded.state_dict())
+    if model is not None:
+        loaded, _ = load_model(p, device=str(next(model.parameters()).device))
+        model.load_state_dict(loaded.state_dict())
     if ref_model is not None:
         target = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
         if (p / "ref.safetensors").is_file():

@@ -159,6 +159,7 @@ class GRPOTrainer:
             stats["time/reward"] += time.perf_counter() - t1
             first = first or batch
             if not a.dynamic_sampling:
+                stats["frac_reward_zero_std"] = self._zero_std(batch)
                 return batch, stats
             keep = dynamic_sampling_keep(batch.rewards, batch.group_ids)
             kept.append(batch.select(keep))
@@ -307,9 +308,7 @@ class GRPOTrainer:
         lengths = mask.sum(-1).float()
         gen_tokens = float(lengths.sum())
         metrics = {"step": self.step, "reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-                   "frac_reward_zero_std": stats.pop("frac_reward_zero_std", None)}
-        if metrics["frac_reward_zero_std"] is None:
-            metrics["frac_reward_zero_std"] = self._zero_std(batch)
+                   "frac_reward_zero_std": stats["frac_reward_zero_std"]}
         for spec, col in batch.reward_columns.items():
             name = reward_name(spec)
             valid = col[~torch.isnan(col)]
@@ -388,21 +387,21 @@ class GRPOTrainer:
             self.console.samples(self.step, records)
 
     def save(self) -> Path:
-        a = self.cfg.algorithm
         rng = {"torch": torch.get_rng_state(), "generator": self.gen.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
                                optimizer=self.opt, scheduler=self.sched, rng=rng,
-                               ref_model=self.ref if a.beta > 0 else None,
+                               ref_model=self.ref,
                                trainer_state={"sampler": self.sampler.state()})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
         return path
 
-    def restore(self, ckpt: str | Path) -> None:
-        """Continue exactly from a checkpoint written by `save`: weights, reference, optimizer,
-        scheduler, RNG states, data position and step; metrics.jsonl is cut back to that step."""
-        state = load_training_state(ckpt, self.model, self.ref)
+    def restore(self, ckpt: str | Path, weights: bool = True) -> None:
+        """Continue exactly from a checkpoint written by `save`: weights (unless the policy was just
+        loaded from it), reference, optimizer, scheduler, RNG states, data position and step;
+        metrics.jsonl and samples.jsonl are cut back to that step."""
+        state = load_training_state(ckpt, self.model if weights else None, self.ref)
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -86,3 +86,18 @@ def test_top_k_and_top_p_filters():
     p = filter_logits(logits, top_p=0.81)
     assert torch.isfinite(p).tolist() == [[True, True, True, False]]
     assert torch.isfinite(filter_logits(logits, top_p=0.01)).tolist() == [[True, False, False, False]]
+
+
+def test_logprobs_of_a_row_alone_equal_its_logprobs_in_the_padded_batch(tiny_gpt, tok):
+    """Micro-batches drop the columns that are padding in all their rows; the values must not move."""
+    g = generate(tiny_gpt, _prompts(tok), num_generations=2, max_new_tokens=12, temperature=1.0,
+                 stop_ids=(tok.eos_id,), pad_id=tok.pad_id, generator=torch.Generator().manual_seed(3))
+    # rows of different lengths, as if they had stopped at 3, 5, ... tokens
+    lengths = torch.tensor([3, 5, 12, 1, 7, 9])
+    cmask = torch.arange(12)[None] < lengths[:, None]
+    full = completion_logprobs(tiny_gpt, g.prompt_ids, g.prompt_mask, g.completion_ids, cmask)
+    for i in range(g.completion_ids.size(0)):
+        one = completion_logprobs(tiny_gpt, g.prompt_ids[i:i + 1], g.prompt_mask[i:i + 1],
+                                  g.completion_ids[i:i + 1], cmask[i:i + 1])
+        assert one.shape == (1, g.completion_ids.size(1))
+        torch.testing.assert_close(one[0], full[i], atol=1e-5, rtol=1e-5)

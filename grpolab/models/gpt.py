@@ -37,23 +37,26 @@ def _rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, D); rotate the two halves of the head dimension.
-    d = x.size(-1) // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    # x: (B, heads, T, D), halves layout. With cos = [c, c] and sin = [-s, s] over the head dim,
+    # x * cos + roll(x, D/2) * sin == [x1*c - x2*s, x2*c + x1*s]: the rotation in three ops.
+    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, -1), sin)
+
+
+def _per_head(table: torch.Tensor, value_fill: float, n_head: int) -> torch.Tensor:
+    """(T, D) table -> (3H, T, D): the table for query and key heads, a constant for value heads."""
+    return torch.cat([table[None].expand(2 * n_head, -1, -1), torch.full_like(table, value_fill)[None].expand(n_head, -1, -1)])
 
 
 class KVCache:
-    """Preallocated keys/values for every layer, filled left to right.
+    """Preallocated keys and values for every layer, filled left to right.
 
-    `key_valid` (B, T_max) marks which cached positions are real tokens (not padding).
+    `kv[layer]` is (B, 2H, T_max, D): keys in heads [0, H), values in [H, 2H), so one copy
+    writes both. `key_valid` (B, T_max) marks which cached positions are real tokens.
     """
 
     def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (n_layer, batch, n_head, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((n_layer, batch, 2 * n_head, max_len, head_dim), dtype=dtype, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.pos = 0
         self.max_len = max_len
@@ -61,8 +64,7 @@ class KVCache:
     def repeat_interleave(self, n: int) -> "KVCache":
         """Copy each row n times (prompt prefilled once, then shared by its n samples)."""
         out = KVCache.__new__(KVCache)
-        out.k = self.k.repeat_interleave(n, dim=1)
-        out.v = self.v.repeat_interleave(n, dim=1)
+        out.kv = self.kv.repeat_interleave(n, dim=1)
         out.key_valid = self.key_valid.repeat_interleave(n, dim=0)
         out.pos, out.max_len = self.pos, self.max_len
         return out
@@ -79,18 +81,19 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
         B, T, C = x.shape
-        h = _rms_norm(x)
-        q, k, v = self.qkv(h).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        H = self.n_head
+        # (B, 3H, T, D): heads [0, H) queries, [H, 2H) keys, [2H, 3H) values; cos/sin leave values as they are
+        qkv = _rope(self.qkv(_rms_norm(x)).view(B, T, 3 * H, C // H).transpose(1, 2), cos, sin)
+        q, kv = qkv[:, :H], qkv[:, H:]
         if cache is not None:
             p = cache.pos
-            cache.k[layer, :, :, p:p + T] = k
-            cache.v[layer, :, :, p:p + T] = v
-            k, v = cache.k[layer, :, :, :p + T], cache.v[layer, :, :, :p + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        x = x + self.fc_out(F.gelu(self.fc(_rms_norm(x))))
-        return x
+            cache.kv[layer, :, :, p:p + T] = kv
+            kv = cache.kv[layer, :, :, :p + T]
+        y = F.scaled_dot_product_attention(q, kv[:, :H], kv[:, H:], attn_mask=mask)
+        # residual adds inside the matmuls (addmm): one op instead of two
+        x = torch.addmm(x.view(B * T, C), y.transpose(1, 2).reshape(B * T, C), self.proj.weight.t())
+        h = F.gelu(self.fc(_rms_norm(x)))
+        return torch.addmm(x, h, self.fc_out.weight.t()).view(B, T, C)
 
 
 class GPT(nn.Module):
@@ -103,8 +106,11 @@ class GPT(nn.Module):
         hd = cfg.n_embd // cfg.n_head
         inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, hd, 2).float() / hd))
         angles = torch.outer(torch.arange(cfg.block_size).float(), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        # per head: [cos, cos] and [-sin, sin] (see _rope) for queries and keys, identity for values
+        qk_cos, qk_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        self.register_buffer("cos", _per_head(qk_cos, 1.0, cfg.n_head), persistent=False)   # (3H, block_size, D)
+        self.register_buffer("sin", _per_head(qk_sin, 0.0, cfg.n_head), persistent=False)
         self.apply(self._init)
         for b in self.blocks:  # residual projections start small so depth does not blow up activations
             nn.init.normal_(b.proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
@@ -132,21 +138,25 @@ class GPT(nn.Module):
         end = start + T
         if end > self.config.block_size:
             raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
-        if key_valid is None:
-            key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-        if cache is not None:
-            cache.key_valid[:, start:end] = key_valid
-            keys = cache.key_valid[:, :end]
+        if cache is not None and T == 1 and key_valid is None:
+            # decode step: one real token per row, and every real cached key is in its past
+            cache.key_valid[:, start] = True
+            mask = cache.key_valid[:, None, None, :end]
         else:
-            keys = key_valid
-        # mask[b, 0, i, j]: query i (absolute start+i) may see key j if j is real and not in the future.
-        # A query always sees itself, so rows of pure padding stay finite.
-        q_pos = torch.arange(start, end, device=idx.device)
-        k_pos = torch.arange(end, device=idx.device)
-        causal = k_pos[None, :] <= q_pos[:, None]
-        mask = (causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None]
-        mask = mask[:, None]
-        cos, sin = self.cos[start:end], self.sin[start:end]
+            if key_valid is None:
+                key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+            if cache is not None:
+                cache.key_valid[:, start:end] = key_valid
+                keys = cache.key_valid[:, :end]
+            else:
+                keys = key_valid
+            # mask[b, 0, i, j]: query i (absolute start+i) may see key j if j is real and not in the future.
+            # A query always sees itself, so rows of pure padding stay finite.
+            q_pos = torch.arange(start, end, device=idx.device)
+            k_pos = torch.arange(end, device=idx.device)
+            causal = k_pos[None, :] <= q_pos[:, None]
+            mask = ((causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None])[:, None]
+        cos, sin = self.cos[:, start:end], self.sin[:, start:end]
         x = self.wte(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache, i)

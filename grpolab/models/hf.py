@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .lean_decode import LeanCache, LeanDecoder, unsupported_reason
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,18 +81,24 @@ class HFCache:
 class HFPolicy(nn.Module):
     """An `AutoModelForCausalLM` with the engine's calling convention."""
 
-    def __init__(self, hf_model) -> None:
+    def __init__(self, hf_model, lean_decode: bool = True) -> None:
         super().__init__()
         self.hf = hf_model
         self.config = hf_model.config
+        self.lean_decode = lean_decode
 
-    def new_cache(self, batch: int, max_len: int) -> HFCache:
+    def new_cache(self, batch: int, max_len: int) -> HFCache | LeanCache:
+        """A preallocated `LeanCache` when the lean sampling path supports this model, else HF's DynamicCache."""
+        if self.lean_decode and unsupported_reason(self.hf, max_len) is None:
+            return LeanDecoder(self.hf, max_len).new_cache(batch, max_len)
         from transformers import DynamicCache
         return HFCache(DynamicCache(config=self.hf.config))
 
-    def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None, cache: HFCache | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
+                cache: HFCache | LeanCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         """Logits (B, T, V), or of the last `logits_to_keep` positions. Semantics as `GPT.forward`."""
+        if isinstance(cache, LeanCache):
+            return cache.decoder.forward(idx, key_valid, cache, logits_to_keep)
         if key_valid is None:
             key_valid = torch.ones_like(idx, dtype=torch.bool)
         valid = key_valid.long()

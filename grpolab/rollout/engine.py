@@ -15,6 +15,10 @@ import torch
 from .sampling import sample_next
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN/inf logits while sampling (its weights have diverged)."""
+
+
 @dataclass
 class Generation:
     prompt_ids: torch.Tensor        # (B, P) left-padded with pad_id, B = num_prompts * G
@@ -65,27 +69,34 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
     logits = logits.repeat_interleave(G, dim=0)
     B = logits.size(0)
 
-    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-    mask = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=device)
+    out = torch.empty((B, max_new_tokens), dtype=torch.long, device=device)
+    logps = torch.empty((B, max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     steps = 0
+    # The loop only samples and records; which tokens count (up to each row's first stop) is
+    # worked out once afterwards, so a step costs the forward pass and little else.
     for t in range(max_new_tokens):
         steps = t + 1
         tok, lp = sample_next(logits, temperature, top_k, top_p, generator)
-        live = ~done
-        out[:, t] = torch.where(live, tok, pad_id)
-        logps[:, t] = torch.where(live, lp, 0.0)
-        mask[:, t] = live
-        done = done | torch.isin(tok, stops)
-        if bool(done.all()) or t == max_new_tokens - 1:
+        out[:, t] = tok
+        logps[:, t] = lp
+        if len(stop_ids):
+            done |= torch.isin(tok, stops)
+            if bool(done.all()):
+                break
+        if t == max_new_tokens - 1:
             break
         logits = model(out[:, t:t + 1], cache=cache)[:, -1]
+    out, logps = out[:, :steps], logps[:, :steps]
+    if bool(logps.isnan().any()):   # checked once per rollout, not per token: a per-step check would sync
+        raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")
+    is_stop = torch.isin(out, stops)
+    # a token counts when no stop token came before it (the stop token itself counts)
+    mask = (is_stop.cumsum(-1) - is_stop.long()) == 0
     return Generation(
         prompt_ids=p_ids.repeat_interleave(G, dim=0),
         prompt_mask=p_mask.repeat_interleave(G, dim=0),
-        # columns past the last decoding step are pure padding: drop them
-        completion_ids=out[:, :steps], completion_mask=mask[:, :steps],
-        sampler_logprobs=logps[:, :steps], truncated=~done,
+        completion_ids=out.masked_fill(~mask, pad_id), completion_mask=mask,
+        sampler_logprobs=logps.masked_fill(~mask, 0.0), truncated=~is_stop.any(-1),
     )

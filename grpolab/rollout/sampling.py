@@ -20,6 +20,21 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` (B, V) by inverting the CDF with one uniform per row.
+
+    `torch.multinomial` draws an exponential for every vocabulary entry, which on a CPU
+    costs more than a tiny model's whole decode step; this needs B random numbers. The
+    cumulative sum is taken in float64 so that rounding cannot give measurable mass to
+    zero- or near-zero-probability tokens even over 150k-entry vocabularies.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)
+    # first index whose CDF exceeds u * total: tokens of zero probability have an empty interval
+    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return tok.clamp_(max=probs.size(-1) - 1).squeeze(-1)
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from logits (B, V).
@@ -34,8 +49,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         logp = logits.log_softmax(-1)
         tok = logits.argmax(-1)
     else:
-        scaled = logits / temperature
+        scaled = logits / temperature if temperature != 1.0 else logits
         logp = scaled.log_softmax(-1)
-        probs = filter_logits(scaled, top_k, top_p).softmax(-1)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        filtered = top_k or top_p < 1.0
+        probs = filter_logits(scaled, top_k, top_p).softmax(-1) if filtered else logp.exp()
+        tok = draw(probs, generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

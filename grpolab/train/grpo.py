@@ -34,7 +34,7 @@ from ..eval import evaluate
 from ..rewards import reward_name
 from ..rewards.combine import score
 from ..rollout.batch import RolloutBatch, cat_batches
-from ..rollout.engine import generate
+from ..rollout.engine import NonFiniteLogits, generate
 from ..logging.trackers import Trackers
 from .checkpoint import load_training_state, prune_checkpoints, save_checkpoint
 from .logprobs import completion_logprobs
@@ -118,9 +118,7 @@ class GRPOTrainer:
                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                            top_p=r.top_p, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
                            generator=self.gen)
-        except RuntimeError as e:
-            if "probability tensor" not in str(e):
-                raise
+        except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
                                 f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
                                 f"from an earlier checkpoint") from None
@@ -205,8 +203,9 @@ class GRPOTrainer:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
         if self.ref is None:
             return None
-        with torch.no_grad():
-            return torch.cat([self._logprobs(self.ref, batch.gen, s) for s in self._micro_batches(len(batch))])
+        with torch.inference_mode():   # no autograd bookkeeping at all (cheaper than no_grad)
+            lp = torch.cat([self._logprobs(self.ref, batch.gen, s) for s in self._micro_batches(len(batch))])
+        return lp.clone()   # a normal tensor again, usable inside the loss
 
     def update(self, batch: RolloutBatch, ref_lp: torch.Tensor | None = None) -> dict:
         """mu optimizer passes over the batch; returns loss/KL/clip/entropy metrics."""
@@ -223,9 +222,12 @@ class GRPOTrainer:
         # Old-policy log-probs in a no-grad pass. With mu == 1 the old policy is the current one,
         # so the ratio is exactly 1 and old log-probs are the detached logp.
         kl_in_loss = self.ref is not None and not a.kl_in_reward
-        with torch.no_grad():
+        old_lp = None
+        if a.num_iterations > 1:
             self.model.eval()
-            old_lp = torch.cat([self._logprobs(self.model, g, s) for s in slices]) if a.num_iterations > 1 else None
+            with torch.inference_mode():
+                old_lp = torch.cat([self._logprobs(self.model, g, s) for s in slices])
+            old_lp = old_lp.clone()
 
         self.model.train()
         lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)

@@ -15,6 +15,16 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     with_entropy, also returns the per-token entropy of that distribution (differentiable only
     with entropy_grad, for an entropy bonus).
     """
+    # Drop columns that are padding in every row (prompts are left-padded, completions right-padded),
+    # so a micro-batch of short sequences costs what its own lengths cost. Positions come from the
+    # mask (HF) or are relative (RoPE), so the result does not change.
+    C_full = completion_ids.size(1)
+    real_p = prompt_mask.any(0).nonzero()
+    real_c = completion_mask.any(0).nonzero()
+    first = int(real_p[0]) if len(real_p) else prompt_ids.size(1) - 1
+    last = int(real_c[-1]) + 1 if len(real_c) else 1
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+    completion_ids, completion_mask = completion_ids[:, :last], completion_mask[:, :last]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     valid = torch.cat([prompt_mask, completion_mask], dim=1)
     C = completion_ids.size(1)
@@ -24,9 +34,13 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         logits = logits / temperature
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1)
-    logp = logp * completion_mask
+    logp = _pad_to(logp * completion_mask, C_full)
     if not with_entropy:
         return logp
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return logp, _pad_to(entropy, C_full)
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.size(1) == width else torch.nn.functional.pad(x, (0, width - x.size(1)))

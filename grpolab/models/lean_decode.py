@@ -1,0 +1,210 @@
+"""A lean sampling path for Llama-family Hugging Face models (llama, mistral, qwen2, qwen3).
+
+Sampling calls the model once per generated token. The HF forward is general (cache
+objects, mask builders, output classes, hooks) and on small decode batches that per-call
+machinery costs more than the matmuls. `LeanDecoder` runs the same math directly on the
+HF module's own parameters with a preallocated KV cache, fused QKV and gate/up
+projections (concatenated once per rollout, so they always match the current weights),
+a single attention mask per step and per-row positions read from a precomputed RoPE
+table. Training keeps the HF forward; tests check both agree (logits, and greedy tokens
+equal to `generate`).
+
+Anything outside the supported shape (other architectures, sliding windows shorter than
+the rollout, adapters wrapped around the linears) returns a reason from
+`unsupported_reason` and the policy falls back to the HF forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def unsupported_reason(hf_model, max_len: int) -> str | None:
+    """Why the lean path cannot run this model for sequences of `max_len` tokens, or None."""
+    cfg = hf_model.config
+    if cfg.model_type not in SUPPORTED:
+        return f"model_type {cfg.model_type!r} is not one of {SUPPORTED}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or []
+    windowed = any(t != "full_attention" for t in types) or (cfg.model_type == "mistral" and not types)
+    if window and windowed and max_len > window:
+        return f"sliding window {window} shorter than {max_len} tokens"
+    inner = getattr(hf_model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(hf_model, "lm_head"):
+        return "unexpected module layout"
+    for layer in inner.layers:
+        mods = [getattr(layer.self_attn, n, None) for n in _LINEARS] + [getattr(layer.mlp, n, None) for n in _MLP]
+        if any(type(m) is not nn.Linear for m in mods):   # e.g. LoRA-wrapped or quantized linears
+            return "attention/MLP projections are not plain nn.Linear"
+    if type(hf_model.lm_head) is not nn.Linear:
+        return "lm_head is not a plain nn.Linear"
+    return None
+
+
+class _Layer:
+    """One decoder layer's weights for this rollout: QKV and gate/up fused, with the RMSNorm
+    weight before each folded into its columns (norm(x) * w @ W.T == norm(x) @ (W * w).T)."""
+
+    def __init__(self, layer) -> None:
+        a, m = layer.self_attn, layer.mlp
+        w_in, w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * w_in
+        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        self.qkv_b = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.weight.size(0), dtype=p.weight.dtype, device=p.weight.device)
+             for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
+        self.o_wt, self.o_b = a.o_proj.weight.t(), a.o_proj.bias
+        self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight]) * w_post
+        self.gate_up_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+        self.down_wt, self.down_b = m.down_proj.weight.t(), m.down_proj.bias
+        self.eps_in, self.eps_post = _eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)
+        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        self.scaling = a.scaling
+
+
+def _eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF RMSNorm normalises in float32 and casts back (its weight is folded into the next matmul here)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.size(-1),), eps=eps)
+    return F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+
+
+def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """An HF RMSNorm module applied as HF does."""
+    return norm.weight * _rms(x, _eps(norm))
+
+
+def _linear_residual(x: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x + y @ wt (+ b) with the residual add inside the matmul (one op, not two)."""
+    out = torch.addmm(x, y, wt)
+    return out if b is None else out.add_(b)
+
+
+class LeanCache:
+    """Preallocated K/V for every layer (keys in heads [0, KV), values in [KV, 2KV) so one copy
+    writes both), the fused weights of this rollout, and per-row positions."""
+
+    def __init__(self, decoder: "LeanDecoder", batch: int, max_len: int) -> None:
+        d = decoder
+        self.kv = torch.zeros((d.n_layer, batch, 2 * d.n_kv, max_len, d.head_dim), dtype=d.dtype, device=d.device)
+        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=d.device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=d.device)  # real tokens seen per row
+        self.pos, self.max_len, self.decoder = 0, max_len, decoder
+
+    def repeat_interleave(self, n: int) -> "LeanCache":
+        """Each row n times (a prompt prefilled once, shared by its n samples)."""
+        out = LeanCache.__new__(LeanCache)
+        out.kv = self.kv.repeat_interleave(n, dim=1)
+        out.key_valid = self.key_valid.repeat_interleave(n, dim=0)
+        out.count = self.count.repeat_interleave(n, dim=0)
+        out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
+        return out
+
+
+class LeanDecoder:
+    """The forward pass of a supported HF causal LM, for sampling with a `LeanCache`.
+
+    Built at the start of a rollout (under `torch.inference_mode`), after the last weight update.
+    """
+
+    def __init__(self, hf_model, max_len: int) -> None:
+        cfg, inner = hf_model.config, hf_model.model
+        self.embed_w, self.lm_head = inner.embed_tokens.weight, hf_model.lm_head
+        self.final_norm = inner.norm
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        a = inner.layers[0].self_attn
+        self.n_layer = len(self.layers)
+        self.head_dim = a.head_dim
+        self.n_head = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
+        # cos/sin for positions 0..max_len-1 from the model's own rotary module (handles rope scaling).
+        # rotate_half(x) == roll(x, D/2) * [-1]*D/2 + [1]*D/2, so the sign is folded into the sin table.
+        positions = torch.arange(max_len, device=self.device)[None]
+        cos, sin = inner.rotary_emb(self.embed_w[:1][None], positions)
+        half = self.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
+        self.cos, self.sin = cos[0], sin[0] * sign   # (max_len, head_dim)
+
+    def new_cache(self, batch: int, max_len: int) -> LeanCache:
+        return LeanCache(self, batch, max_len)
+
+    def _rope_tables(self, pos: torch.Tensor, with_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, heads, T, D) for queries and keys; with_values appends identity rows for the
+        value heads (cos 1, sin 0) so one rotation covers the whole fused QKV output."""
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]   # (B, 1, T, D)
+        if not with_values:
+            return cos, sin
+        B, _, T, D = cos.shape
+        qk = self.n_head + self.n_kv
+        cos = torch.cat([cos.expand(B, qk, T, D), cos.new_ones(1, 1, 1, 1).expand(B, self.n_kv, T, D)], dim=1)
+        sin = torch.cat([sin.expand(B, qk, T, D), sin.new_zeros(1, 1, 1, 1).expand(B, self.n_kv, T, D)], dim=1)
+        return cos, sin
+
+    def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None, cache: LeanCache,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        B, T = idx.shape
+        start, end = cache.pos, cache.pos + T
+        if end > cache.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
+        if key_valid is None and T == 1:
+            # decode step: every row gets one real token at its next position
+            pos = cache.count[:, None].clone()
+            cache.count += 1
+            cache.key_valid[:, start] = True
+        else:
+            if key_valid is None:
+                key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+            cache.key_valid[:, start:end] = key_valid
+            # positions as HF computes them from the attention mask: the count of real tokens before
+            pos = (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
+            cache.count += key_valid.sum(-1)
+        keys = cache.key_valid[:, :end]
+        if T == 1:
+            mask = keys[:, None, None, :]   # one new query: every real cached key is in its past
+        else:
+            q_pos = torch.arange(start, end, device=idx.device)
+            k_pos = torch.arange(end, device=idx.device)
+            causal = k_pos[None, :] <= q_pos[:, None]
+            # a query always sees itself, so rows of pure padding stay finite
+            mask = ((causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None])[:, None]
+        H, KV, D = self.n_head, self.n_kv, self.head_dim
+        fused_rope = self.layers[0].q_norm is None
+        cos, sin = self._rope_tables(pos, with_values=fused_rope)
+        x = F.embedding(idx, self.embed_w).view(B * T, -1)
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(_rms(x, L.eps_in), L.qkv_w, L.qkv_b).view(B, T, H + 2 * KV, D).transpose(1, 2)
+            if fused_rope:   # rotate q, k (and v by the identity) in one pass; then one copy writes k and v
+                r = torch.addcmul(qkv * cos, qkv.roll(D // 2, -1), sin)
+                q = r[:, :H]
+                cache.kv[i, :, :, start:end] = r[:, H:]
+            else:            # per-head q/k norms (Qwen3) come before the rotation
+                q, k = _norm(qkv[:, :H], L.q_norm), _norm(qkv[:, H:H + KV], L.k_norm)
+                q = torch.addcmul(q * cos, q.roll(D // 2, -1), sin)
+                cache.kv[i, :, :KV, start:end] = torch.addcmul(k * cos, k.roll(D // 2, -1), sin)
+                cache.kv[i, :, KV:, start:end] = qkv[:, H + KV:]
+            kv = cache.kv[i, :, :, :end]
+            y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
+                                               enable_gqa=KV != H)
+            x = _linear_residual(x, y.transpose(1, 2).reshape(B * T, H * D), L.o_wt, L.o_b)
+            gate, up = F.linear(_rms(x, L.eps_post), L.gate_up_w, L.gate_up_b).chunk(2, dim=-1)
+            x = _linear_residual(x, F.silu(gate) * up, L.down_wt, L.down_b)
+        cache.pos = end
+        x = x.view(B, T, -1)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return self.lm_head(_norm(x, self.final_norm))

@@ -1,0 +1,114 @@
+"""The lean sampling path agrees with the Hugging Face forward on every architecture it claims.
+
+Each model is a tiny random one built here. The reference is HF's own forward over the whole
+(left-padded) sequence without a cache; the lean path prefills the prompt, then decodes one
+token at a time from its preallocated cache.
+"""
+
+import pytest
+import torch
+
+from grpolab.models.hf import HFCache, HFPolicy
+from grpolab.models.lean_decode import LeanCache, unsupported_reason
+from grpolab.rollout.engine import generate, left_pad
+
+pytest.importorskip("transformers")
+
+
+def _tiny(kind: str):
+    import transformers as tf
+    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
+                  max_position_embeddings=128)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=4)).eval()
+    if kind == "llama_gqa_bias_rope_scaling":
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                             rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False)
+        return tf.LlamaForCausalLM(cfg).eval()
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2)).eval()
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16)).eval()
+    if kind == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=None)).eval()
+    raise ValueError(kind)
+
+
+def _perturb(model) -> None:
+    # random init leaves norm weights at 1 and biases at 0; make them matter
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+KINDS = ["llama", "llama_gqa_bias_rope_scaling", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lean_decode_logits_equal_hf_forward(kind):
+    hf = _tiny(kind)
+    _perturb(hf)
+    policy = HFPolicy(hf)
+    assert unsupported_reason(hf, 40) is None
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    ids, mask = left_pad(prompts, pad_id=0)
+    steps = 7
+    nxt = torch.randint(1, 97, (len(prompts), steps), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        cache = policy.new_cache(len(prompts), ids.size(1) + steps)
+        assert isinstance(cache, LeanCache)
+        lean = [policy(ids, key_valid=mask, cache=cache, logits_to_keep=1)[:, -1]]
+        for t in range(steps - 1):
+            lean.append(policy(nxt[:, t:t + 1], cache=cache)[:, -1])
+        full_ids = torch.cat([ids, nxt], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(nxt, dtype=torch.bool)], dim=1)
+        ref = policy(full_ids, key_valid=full_mask)   # HF forward, no cache
+    P = ids.size(1)
+    for t, got in enumerate(lean):
+        torch.testing.assert_close(got, ref[:, P - 1 + t], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_lean_greedy_tokens_equal_transformers_generate(kind):
+    hf = _tiny(kind)
+    _perturb(hf)
+    policy = HFPolicy(hf)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 40], [13]]
+    ours = generate(policy, prompts, max_new_tokens=10, temperature=0.0, stop_ids=(), pad_id=0)
+    for i, p in enumerate(prompts):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
+                          max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=None)
+        assert ours.completion_ids[i].tolist() == ref[0, len(p):].tolist()
+
+
+def test_lean_and_hf_cache_paths_sample_the_same_tokens():
+    """Same generator seed through the lean cache and through HF's DynamicCache: same tokens, same log-probs."""
+    hf = _tiny("qwen2")
+    _perturb(hf)
+    prompts = [[5, 6, 7, 8], [11, 12], [20, 21, 22]]
+    kw = dict(num_generations=3, max_new_tokens=12, temperature=1.0, top_k=20, stop_ids=(3,), pad_id=0)
+    lean = generate(HFPolicy(hf), prompts, generator=torch.Generator().manual_seed(4), **kw)
+    plain = generate(HFPolicy(hf, lean_decode=False), prompts, generator=torch.Generator().manual_seed(4), **kw)
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+    assert torch.equal(lean.completion_mask, plain.completion_mask)
+    torch.testing.assert_close(lean.sampler_logprobs, plain.sampler_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_fall_back_to_the_hf_cache():
+    import transformers as tf
+    torch.manual_seed(0)
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert "gpt2" in unsupported_reason(gpt2, 40)
+    policy = HFPolicy(gpt2)
+    assert isinstance(policy.new_cache(2, 40), HFCache)
+    g = generate(policy, [[1, 2, 3], [4]], num_generations=2, max_new_tokens=5, stop_ids=(), pad_id=0,
+                 generator=torch.Generator().manual_seed(0))
+    assert g.completion_ids.shape == (4, 5)
+    # a sliding window shorter than the rollout is outside the lean path too
+    mistral = _tiny("mistral")
+    mistral.config.sliding_window = 16
+    assert "sliding window" in unsupported_reason(mistral, 40)
+    assert unsupported_reason(mistral, 16) is None

@@ -80,6 +80,9 @@ class RolloutConfig:
     temperature: float = 1.0       # sampling temperature (> 0); log-probs use the same temperature
     top_k: int = 0                 # 0 = off
     top_p: float = 1.0             # 1.0 = off
+    lean_decode: bool = True       # HF llama/mistral/qwen2/qwen3 models: sample through grpolab's lean decode
+    #                                path (preallocated KV cache, fused projections; same logits); false = the
+    #                                model's own forward with its DynamicCache. Other models always use the latter
 
 
 @dataclass

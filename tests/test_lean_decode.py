@@ -112,3 +112,25 @@ def test_unsupported_models_fall_back_to_the_hf_cache():
     mistral.config.sliding_window = 16
     assert "sliding window" in unsupported_reason(mistral, 40)
     assert unsupported_reason(mistral, 16) is None
+
+
+def test_rollout_lean_decode_config_key_reaches_the_policy(tmp_path):
+    from grpolab.config import load_config
+    from grpolab.data.tasks import arithmetic
+    from grpolab.models.hf import HFTokenizer
+    from grpolab.models.tiny_hf import build_tokenizer
+    from grpolab.train.grpo import GRPOTrainer
+
+    tok = build_tokenizer([r["prompt"] + "\n" + r["answer"] for r in arithmetic.generate("train", 200, seed=0)],
+                          vocab_size=300)
+    hf = _tiny("llama")
+    hf.resize_token_embeddings(len(tok))
+    rows = arithmetic.generate("train", 4, seed=0)
+    for flag, cache_type in (("false", HFCache), ("true", LeanCache)):
+        cfg = load_config(None, [f"rollout.lean_decode={flag}", "algorithm.beta=0.04", "rollout.prompts_per_step=2",
+                                 "rollout.num_generations=2", "rollout.max_new_tokens=4"])
+        policy = HFPolicy(hf)
+        trainer = GRPOTrainer(cfg, policy, HFTokenizer(tok), rows, rows, tmp_path)
+        assert isinstance(trainer.model.new_cache(2, 8), cache_type)
+        assert isinstance(trainer.ref.new_cache(2, 8), cache_type)
+        assert trainer.rollout().gen.completion_ids.shape == (4, 4)

@@ -138,22 +138,18 @@ class LeanDecoder:
         cos, sin = inner.rotary_emb(self.embed_w[:1][None], positions)
         half = self.head_dim // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
-        self.cos, self.sin = cos[0], sin[0] * sign   # (max_len, head_dim)
+        cos, sin = cos[0][:, None], (sin[0] * sign)[:, None]   # (max_len, 1, head_dim)
+        self.fused_rope = self.layers[0].q_norm is None
+        if self.fused_rope:
+            # per head, for the whole fused QKV output: the rotation for query and key heads, the
+            # identity (cos 1, sin 0) for value heads, so one pass rotates q and k and copies v
+            qk, kv = self.n_head + self.n_kv, self.n_kv
+            cos = torch.cat([cos.expand(-1, qk, -1), torch.ones_like(cos).expand(-1, kv, -1)], dim=1)
+            sin = torch.cat([sin.expand(-1, qk, -1), torch.zeros_like(sin).expand(-1, kv, -1)], dim=1)
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()   # (max_len, heads or 1, head_dim)
 
     def new_cache(self, batch: int, max_len: int) -> LeanCache:
         return LeanCache(self, batch, max_len)
-
-    def _rope_tables(self, pos: torch.Tensor, with_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (B, heads, T, D) for queries and keys; with_values appends identity rows for the
-        value heads (cos 1, sin 0) so one rotation covers the whole fused QKV output."""
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]   # (B, 1, T, D)
-        if not with_values:
-            return cos, sin
-        B, _, T, D = cos.shape
-        qk = self.n_head + self.n_kv
-        cos = torch.cat([cos.expand(B, qk, T, D), cos.new_ones(1, 1, 1, 1).expand(B, self.n_kv, T, D)], dim=1)
-        sin = torch.cat([sin.expand(B, qk, T, D), sin.new_zeros(1, 1, 1, 1).expand(B, self.n_kv, T, D)], dim=1)
-        return cos, sin
 
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None, cache: LeanCache,
                 logits_to_keep: int = 0) -> torch.Tensor:
@@ -163,7 +159,8 @@ class LeanDecoder:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
         if key_valid is None and T == 1:
             # decode step: every row gets one real token at its next position
-            pos = cache.count[:, None].clone()
+            pos = cache.count[:, None]
+            cos, sin = self.cos[pos].transpose(1, 2), self.sin[pos].transpose(1, 2)   # (B, heads, 1, D)
             cache.count += 1
             cache.key_valid[:, start] = True
         else:
@@ -172,6 +169,7 @@ class LeanDecoder:
             cache.key_valid[:, start:end] = key_valid
             # positions as HF computes them from the attention mask: the count of real tokens before
             pos = (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
+            cos, sin = self.cos[pos].transpose(1, 2), self.sin[pos].transpose(1, 2)   # (B, heads, T, D)
             cache.count += key_valid.sum(-1)
         keys = cache.key_valid[:, :end]
         if T == 1:
@@ -183,8 +181,7 @@ class LeanDecoder:
             # a query always sees itself, so rows of pure padding stay finite
             mask = ((causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None])[:, None]
         H, KV, D = self.n_head, self.n_kv, self.head_dim
-        fused_rope = self.layers[0].q_norm is None
-        cos, sin = self._rope_tables(pos, with_values=fused_rope)
+        fused_rope = self.fused_rope
         x = F.embedding(idx, self.embed_w).view(B * T, -1)
         for i, L in enumerate(self.layers):
             qkv = F.linear(_rms(x, L.eps_in), L.qkv_w, L.qkv_b).view(B, T, H + 2 * KV, D).transpose(1, 2)

@@ -28,7 +28,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     cumulative sum is taken in float64 so that rounding cannot give measurable mass to
     zero- or near-zero-probability tokens even over 150k-entry vocabularies.
     """
-    cdf = probs.double().cumsum(-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
     u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)
     # first index whose CDF exceeds u * total: tokens of zero probability have an empty interval
     tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)

@@ -91,6 +91,8 @@ class GRPOTrainer:
     def __init__(self, cfg: Config, model, tokenizer, train_rows: list[dict], test_rows: list[dict],
                  run_dir: str | Path, console=None) -> None:
         self.cfg, self.model, self.tok = cfg, model, tokenizer
+        if hasattr(model, "lean_decode"):   # Hugging Face policies: which sampling path to use
+            model.lean_decode = cfg.rollout.lean_decode
         self.test_rows = test_rows[:cfg.eval.num_problems]
         self.run_dir = Path(run_dir)
         self.console = console

@@ -194,6 +194,10 @@ def plot(path: Path, points: list[dict], phase_list: list[dict], x_key: str, tit
         if ph["name"] in shade:
             color, label = shade[ph["name"]]
             ax.axvspan(x_of(ph["start_s"]), x_of(ph["end_s"]), color=color, alpha=0.12, label=label)
+    if x_key == "wall_s":   # on the wall clock the evaluations take time of their own: grey bands
+        for i, p in enumerate(points):
+            ax.axvspan(p["wall_s"], p["wall_s"] + p["eval_s"], color="grey", alpha=0.25,
+                       label="held-out evals" if i == 0 else None)
     xs = [p[x_key] for p in points]
     ax.plot(xs, [p["greedy_accuracy"] for p in points], "o-", color="tab:green", label="greedy accuracy")
     if all(p["pass@1"] is not None for p in points):

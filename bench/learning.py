@@ -188,7 +188,8 @@ def plot(path: Path, points: list[dict], phase_list: list[dict], x_key: str, tit
     fig = Figure(figsize=(8, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    shade = {"warm_start": ("tab:orange", "warm start (SFT)"), "grpo": ("tab:blue", "GRPO (incl. its evals)")}
+    grpo_label = "GRPO (incl. its evals)" if x_key == "wall_s" else "GRPO"
+    shade = {"warm_start": ("tab:orange", "warm start (SFT)"), "grpo": ("tab:blue", grpo_label)}
     x_of = (lambda t: t) if x_key == "wall_s" else (lambda t: to_train_s(t, points))
     for ph in phase_list:
         if ph["name"] in shade:

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import cache_mask, rotate
+
 
 @dataclass
 class GPTConfig:
@@ -34,12 +36,6 @@ class GPTConfig:
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     # Parameter-free RMSNorm (as in nanochat): one fewer thing to tune or decay.
     return F.rms_norm(x, (x.size(-1),))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, heads, T, D), halves layout. With cos = [c, c] and sin = [-s, s] over the head dim,
-    # x * cos + roll(x, D/2) * sin == [x1*c - x2*s, x2*c + x1*s]: the rotation in three ops.
-    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, -1), sin)
 
 
 def _per_head(table: torch.Tensor, value_fill: float, n_head: int) -> torch.Tensor:
@@ -83,7 +79,7 @@ class Block(nn.Module):
         B, T, C = x.shape
         H = self.n_head
         # (B, 3H, T, D): heads [0, H) queries, [H, 2H) keys, [2H, 3H) values; cos/sin leave values as they are
-        qkv = _rope(self.qkv(_rms_norm(x)).view(B, T, 3 * H, C // H).transpose(1, 2), cos, sin)
+        qkv = rotate(self.qkv(_rms_norm(x)).view(B, T, 3 * H, C // H).transpose(1, 2), cos, sin)
         q, kv = qkv[:, :H], qkv[:, H:]
         if cache is not None:
             p = cache.pos
@@ -107,7 +103,7 @@ class GPT(nn.Module):
         inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, hd, 2).float() / hd))
         angles = torch.outer(torch.arange(cfg.block_size).float(), inv_freq)
         cos, sin = angles.cos(), angles.sin()
-        # per head: [cos, cos] and [-sin, sin] (see _rope) for queries and keys, identity for values
+        # per head: [cos, cos] and [-sin, sin] (see attention.rotate) for queries and keys, identity for values
         qk_cos, qk_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         self.register_buffer("cos", _per_head(qk_cos, 1.0, cfg.n_head), persistent=False)   # (3H, block_size, D)
         self.register_buffer("sin", _per_head(qk_sin, 0.0, cfg.n_head), persistent=False)
@@ -138,24 +134,15 @@ class GPT(nn.Module):
         end = start + T
         if end > self.config.block_size:
             raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
-        if cache is not None and T == 1 and key_valid is None:
-            # decode step: one real token per row, and every real cached key is in its past
-            cache.key_valid[:, start] = True
-            mask = cache.key_valid[:, None, None, :end]
+        decode = cache is not None and T == 1 and key_valid is None
+        if key_valid is None:
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+        if cache is not None:
+            cache.key_valid[:, start:end] = key_valid
+            keys = cache.key_valid[:, :end]
         else:
-            if key_valid is None:
-                key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-            if cache is not None:
-                cache.key_valid[:, start:end] = key_valid
-                keys = cache.key_valid[:, :end]
-            else:
-                keys = key_valid
-            # mask[b, 0, i, j]: query i (absolute start+i) may see key j if j is real and not in the future.
-            # A query always sees itself, so rows of pure padding stay finite.
-            q_pos = torch.arange(start, end, device=idx.device)
-            k_pos = torch.arange(end, device=idx.device)
-            causal = k_pos[None, :] <= q_pos[:, None]
-            mask = ((causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None])[:, None]
+            keys = key_valid
+        mask = cache_mask(keys, start, end, decode)
         cos, sin = self.cos[:, start:end], self.sin[:, start:end]
         x = self.wte(idx)
         for i, block in enumerate(self.blocks):

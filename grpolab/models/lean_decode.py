@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import cache_mask, rotate
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -157,42 +159,28 @@ class LeanDecoder:
         start, end = cache.pos, cache.pos + T
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
-        if key_valid is None and T == 1:
-            # decode step: every row gets one real token at its next position
-            pos = cache.count[:, None]
-            cos, sin = self.cos[pos].transpose(1, 2), self.sin[pos].transpose(1, 2)   # (B, heads, 1, D)
-            cache.count += 1
-            cache.key_valid[:, start] = True
-        else:
-            if key_valid is None:
-                key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-            cache.key_valid[:, start:end] = key_valid
-            # positions as HF computes them from the attention mask: the count of real tokens before
-            pos = (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
-            cos, sin = self.cos[pos].transpose(1, 2), self.sin[pos].transpose(1, 2)   # (B, heads, T, D)
-            cache.count += key_valid.sum(-1)
-        keys = cache.key_valid[:, :end]
-        if T == 1:
-            mask = keys[:, None, None, :]   # one new query: every real cached key is in its past
-        else:
-            q_pos = torch.arange(start, end, device=idx.device)
-            k_pos = torch.arange(end, device=idx.device)
-            causal = k_pos[None, :] <= q_pos[:, None]
-            # a query always sees itself, so rows of pure padding stay finite
-            mask = ((causal[None] & keys[:, None, :]) | (k_pos[None, :] == q_pos[:, None])[None])[:, None]
+        decode = key_valid is None and T == 1
+        if key_valid is None:
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+        cache.key_valid[:, start:end] = key_valid
+        # positions as HF computes them from the attention mask: the count of real tokens before
+        pos = cache.count[:, None] if decode else (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self.cos[pos].transpose(1, 2), self.sin[pos].transpose(1, 2)   # (B, heads, T, D)
+        cache.count += key_valid.sum(-1)   # after the lookup: in decode, pos is a view of count
+        mask = cache_mask(cache.key_valid[:, :end], start, end, decode)
         H, KV, D = self.n_head, self.n_kv, self.head_dim
         fused_rope = self.fused_rope
         x = F.embedding(idx, self.embed_w).view(B * T, -1)
         for i, L in enumerate(self.layers):
             qkv = F.linear(_rms(x, L.eps_in), L.qkv_w, L.qkv_b).view(B, T, H + 2 * KV, D).transpose(1, 2)
             if fused_rope:   # rotate q, k (and v by the identity) in one pass; then one copy writes k and v
-                r = torch.addcmul(qkv * cos, qkv.roll(D // 2, -1), sin)
+                r = rotate(qkv, cos, sin)
                 q = r[:, :H]
                 cache.kv[i, :, :, start:end] = r[:, H:]
             else:            # per-head q/k norms (Qwen3) come before the rotation
                 q, k = _norm(qkv[:, :H], L.q_norm), _norm(qkv[:, H:H + KV], L.k_norm)
-                q = torch.addcmul(q * cos, q.roll(D // 2, -1), sin)
-                cache.kv[i, :, :KV, start:end] = torch.addcmul(k * cos, k.roll(D // 2, -1), sin)
+                q = rotate(q, cos, sin)
+                cache.kv[i, :, :KV, start:end] = rotate(k, cos, sin)
                 cache.kv[i, :, KV:, start:end] = qkv[:, H + KV:]
             kv = cache.kv[i, :, :, :end]
             y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,

@@ -205,8 +205,12 @@ class GRPOTrainer:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
         if self.ref is None:
             return None
-        with torch.inference_mode():   # no autograd bookkeeping at all (cheaper than no_grad)
-            lp = torch.cat([self._logprobs(self.ref, batch.gen, s) for s in self._micro_batches(len(batch))])
+        return self._frozen_logprobs(self.ref, batch.gen)
+
+    def _frozen_logprobs(self, model, g) -> torch.Tensor:
+        """Log-probs of the sampled tokens without autograd bookkeeping (cheaper than no_grad)."""
+        with torch.inference_mode():
+            lp = torch.cat([self._logprobs(model, g, s) for s in self._micro_batches(g.completion_ids.size(0))])
         return lp.clone()   # a normal tensor again, usable inside the loss
 
     def update(self, batch: RolloutBatch, ref_lp: torch.Tensor | None = None) -> dict:
@@ -227,9 +231,7 @@ class GRPOTrainer:
         old_lp = None
         if a.num_iterations > 1:
             self.model.eval()
-            with torch.inference_mode():
-                old_lp = torch.cat([self._logprobs(self.model, g, s) for s in slices])
-            old_lp = old_lp.clone()
+            old_lp = self._frozen_logprobs(self.model, g)
 
         self.model.train()
         lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)

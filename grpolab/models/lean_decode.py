@@ -4,10 +4,11 @@ Sampling calls the model once per generated token. The HF forward is general (ca
 objects, mask builders, output classes, hooks) and on small decode batches that per-call
 machinery costs more than the matmuls. `LeanDecoder` runs the same math directly on the
 HF module's own parameters with a preallocated KV cache, fused QKV and gate/up
-projections (concatenated once per rollout, so they always match the current weights),
-a single attention mask per step and per-row positions read from a precomputed RoPE
-table. Training keeps the HF forward; tests check both agree (logits, and greedy tokens
-equal to `generate`).
+projections (concatenated once per rollout, so they always match the current weights)
+with each RMSNorm's weight folded in and its row scale applied after the matmul, an
+additive attention mask kept in the cache (a decode step reads it, builds nothing) and
+per-row positions read from a precomputed RoPE table. Training keeps the HF forward;
+tests check both agree (logits, and greedy tokens equal to `generate`).
 
 Anything outside the supported shape (other architectures, sliding windows shorter than
 the rollout, adapters wrapped around the linears) returns a reason from
@@ -70,12 +71,34 @@ class _Layer:
         self.gate_up_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
         self.down_wt, self.down_b = m.down_proj.weight.t(), m.down_proj.bias
         self.eps_in, self.eps_post = _eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)
+        self.eps_in_t, self.eps_post_t = _eps_tensor(self.eps_in, w_in), _eps_tensor(self.eps_post, w_in)
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         self.scaling = a.scaling
 
 
 def _eps(norm: nn.Module) -> float:
     return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
+def _eps_tensor(eps: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((1,), eps, dtype=torch.float32, device=like.device)
+
+
+def _normed_linear(x: torch.Tensor, eps: float, eps_t: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None) -> torch.Tensor:
+    """rms_norm(x) @ w.T + b, where `w` already carries the norm's weight.
+
+    The norm's row scale r = 1/sqrt(mean(x^2) + eps) commutes with the matmul, so in float32
+    it is applied to the output: one fused reduction (`vector_norm`) and two tiny ops on (B, 1)
+    instead of the composite rms_norm's five passes over x, which dominate small decode batches.
+    Other dtypes normalise in float32 first, as HF does.
+    """
+    if x.dtype != torch.float32:
+        return F.linear(_rms(x, eps), w, b)
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    r = torch.addcmul(eps_t, n, n, value=1.0 / x.size(-1)).rsqrt_()
+    out = F.linear(x, w)
+    return out.mul_(r) if b is None else torch.addcmul(b, out, r)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,6 +127,9 @@ class LeanCache:
         d = decoder
         self.kv = torch.zeros((d.n_layer, batch, 2 * d.n_kv, max_len, d.head_dim), dtype=d.dtype, device=d.device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=d.device)
+        # the same as an additive attention mask (0 at real keys, -inf elsewhere), kept up to date so a
+        # decode step reads its mask instead of building one
+        self.bias = torch.full((batch, max_len), float("-inf"), dtype=d.dtype, device=d.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=d.device)  # real tokens seen per row
         self.pos, self.max_len, self.decoder = 0, max_len, decoder
 
@@ -112,6 +138,7 @@ class LeanCache:
         out = LeanCache.__new__(LeanCache)
         out.kv = self.kv.repeat_interleave(n, dim=1)
         out.key_valid = self.key_valid.repeat_interleave(n, dim=0)
+        out.bias = self.bias.repeat_interleave(n, dim=0)
         out.count = self.count.repeat_interleave(n, dim=0)
         out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
         return out
@@ -125,8 +152,11 @@ class LeanDecoder:
 
     def __init__(self, hf_model, max_len: int) -> None:
         cfg, inner = hf_model.config, hf_model.model
-        self.embed_w, self.lm_head = inner.embed_tokens.weight, hf_model.lm_head
-        self.final_norm = inner.norm
+        self.embed_w = inner.embed_tokens.weight
+        # the final norm's weight folded into the LM head, as the layers' norms are into theirs
+        self.head_w, self.head_b = hf_model.lm_head.weight * inner.norm.weight, hf_model.lm_head.bias
+        self.final_eps = _eps(inner.norm)
+        self.final_eps_t = _eps_tensor(self.final_eps, self.embed_w)
         self.layers = [_Layer(layer) for layer in inner.layers]
         a = inner.layers[0].self_attn
         self.n_layer = len(self.layers)
@@ -148,7 +178,13 @@ class LeanDecoder:
             qk, kv = self.n_head + self.n_kv, self.n_kv
             cos = torch.cat([cos.expand(-1, qk, -1), torch.ones_like(cos).expand(-1, kv, -1)], dim=1)
             sin = torch.cat([sin.expand(-1, qk, -1), torch.zeros_like(sin).expand(-1, kv, -1)], dim=1)
-        self.cos, self.sin = cos.contiguous(), sin.contiguous()   # (max_len, heads or 1, head_dim)
+        # one table, one row lookup per position: (max_len, 2, heads or 1, head_dim), cos then sin
+        self.rope = torch.stack([cos, sin], dim=1).contiguous()
+
+    def _rope(self, pos: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, heads or 1, T, D) at flat positions `pos` (B*T,)."""
+        cs = self.rope.index_select(0, pos).view(B, T, *self.rope.shape[1:])
+        return cs[:, :, 0].transpose(1, 2), cs[:, :, 1].transpose(1, 2)
 
     def new_cache(self, batch: int, max_len: int) -> LeanCache:
         return LeanCache(self, batch, max_len)
@@ -159,20 +195,29 @@ class LeanDecoder:
         start, end = cache.pos, cache.pos + T
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
-        decode = key_valid is None and T == 1
-        if key_valid is None:
-            key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-        cache.key_valid[:, start:end] = key_valid
         # positions as HF computes them from the attention mask: the count of real tokens before
-        pos = cache.count[:, None] if decode else (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self.cos[pos].transpose(1, 2), self.sin[pos].transpose(1, 2)   # (B, heads, T, D)
-        cache.count += key_valid.sum(-1)   # after the lookup: in decode, pos is a view of count
-        mask = cache_mask(cache.key_valid[:, :end], start, end, decode)
+        if key_valid is None and T == 1:   # decode: one real token per row
+            cache.key_valid[:, start] = True
+            cache.bias[:, start] = 0.0
+            cos, sin = self._rope(cache.count, B, 1)
+            cache.count += 1   # after the lookup
+            mask = cache.bias[:, None, None, :end]
+        else:
+            if key_valid is None:
+                key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+            cache.key_valid[:, start:end] = key_valid
+            cache.bias[:, start:end].masked_fill_(key_valid, 0.0)
+            pos = (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
+            cos, sin = self._rope(pos.reshape(-1), B, T)
+            cache.count += key_valid.sum(-1)
+            mask = cache_mask(cache.key_valid[:, :end], start, end, False)
+            # additive float mask, built once here rather than converted by every layer's attention
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=idx.device).masked_fill_(~mask, float("-inf"))
         H, KV, D = self.n_head, self.n_kv, self.head_dim
         fused_rope = self.fused_rope
         x = F.embedding(idx, self.embed_w).view(B * T, -1)
         for i, L in enumerate(self.layers):
-            qkv = F.linear(_rms(x, L.eps_in), L.qkv_w, L.qkv_b).view(B, T, H + 2 * KV, D).transpose(1, 2)
+            qkv = _normed_linear(x, L.eps_in, L.eps_in_t, L.qkv_w, L.qkv_b).view(B, T, H + 2 * KV, D).transpose(1, 2)
             if fused_rope:   # rotate q, k (and v by the identity) in one pass; then one copy writes k and v
                 r = rotate(qkv, cos, sin)
                 q = r[:, :H]
@@ -186,10 +231,11 @@ class LeanDecoder:
             y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
                                                enable_gqa=KV != H)
             x = _linear_residual(x, y.transpose(1, 2).reshape(B * T, H * D), L.o_wt, L.o_b)
-            gate, up = F.linear(_rms(x, L.eps_post), L.gate_up_w, L.gate_up_b).chunk(2, dim=-1)
+            gate, up = _normed_linear(x, L.eps_post, L.eps_post_t, L.gate_up_w, L.gate_up_b).chunk(2, dim=-1)
             x = _linear_residual(x, F.silu(gate) * up, L.down_wt, L.down_b)
         cache.pos = end
         x = x.view(B, T, -1)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(_norm(x, self.final_norm))
+        return _normed_linear(x.reshape(-1, x.size(-1)), self.final_eps, self.final_eps_t, self.head_w,
+                              self.head_b).view(*x.shape[:2], -1)

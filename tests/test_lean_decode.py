@@ -139,28 +139,34 @@ def test_rollout_lean_decode_config_key_reaches_the_policy(tmp_path):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_normed_linear_equals_rms_norm_then_linear(with_bias):
     """The norm's row scale applied after the matmul equals normalising first (float32), written out plainly."""
-    from grpolab.models.lean_decode import _eps_tensor, _normed_linear
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from grpolab.models.lean_decode import _NormedLinear
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 16, generator=g) * 3, torch.randn(7, 16, generator=g)
     b = torch.randn(7, generator=g) if with_bias else None
     eps = 1e-5
-    plain = torch.stack([(row / torch.sqrt((row * row).sum() / 16 + eps)) for row in x]) @ w.T
+    norm = LlamaRMSNorm(16, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=g) + 0.5)
+    gamma = norm.weight.detach()
+    plain = torch.stack([(row / torch.sqrt((row * row).sum() / 16 + eps)) * gamma for row in x]) @ w.T
     if b is not None:
         plain = plain + b
-    torch.testing.assert_close(_normed_linear(x, eps, _eps_tensor(eps, x), w, b), plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_NormedLinear(norm, w, b)(x), plain, atol=1e-5, rtol=1e-5)
     # bfloat16 normalises in float32 first and casts back, as HF's RMSNorm does
     xb, wb = x.bfloat16(), w.bfloat16()
     xf = xb.float()
-    hf_way = torch.nn.functional.linear((xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).bfloat16(), wb,
-                                        None if b is None else b.bfloat16())
-    got = _normed_linear(xb, eps, _eps_tensor(eps, xb), wb, None if b is None else b.bfloat16())
+    hf_way = torch.nn.functional.linear((xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).bfloat16(),
+                                        wb * gamma.bfloat16(), None if b is None else b.bfloat16())
+    got = _NormedLinear(norm.bfloat16(), wb, None if b is None else b.bfloat16())(xb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, hf_way)
 
 
-def test_lean_cache_additive_mask_tracks_key_valid():
-    """The cache keeps an additive mask (0 real, -inf padding) in step with key_valid through prefill,
-    the copy to G samples and decoding, so a decode step can read it instead of building one."""
+def test_lean_cache_additive_mask_tracks_real_tokens():
+    """The cache records which positions are real as an additive mask (0 real, -inf padding) through
+    prefill, the copy to G samples and decoding, so a decode step can read it instead of building one."""
     hf = _tiny("llama")
     policy = HFPolicy(hf)
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
@@ -171,7 +177,6 @@ def test_lean_cache_additive_mask_tracks_key_valid():
         for t in range(3):
             policy(torch.full((4, 1), 9 + t), cache=cache)
     expected_valid = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]] * 2 + [[0, 0, 1, 1, 1, 1, 0, 0]] * 2, dtype=torch.bool)
-    assert torch.equal(cache.key_valid, expected_valid)
     assert torch.equal(cache.bias == 0, expected_valid)
     assert bool(torch.isneginf(cache.bias[~expected_valid]).all())
     assert cache.count.tolist() == [6, 6, 4, 4]

@@ -54,51 +54,53 @@ def unsupported_reason(hf_model, max_len: int) -> str | None:
     return None
 
 
-class _Layer:
-    """One decoder layer's weights for this rollout: QKV and gate/up fused, with the RMSNorm
-    weight before each folded into its columns (norm(x) * w @ W.T == norm(x) @ (W * w).T)."""
-
-    def __init__(self, layer) -> None:
-        a, m = layer.self_attn, layer.mlp
-        w_in, w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) * w_in
-        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        self.qkv_b = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(p.weight.size(0), dtype=p.weight.dtype, device=p.weight.device)
-             for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
-        self.o_wt, self.o_b = a.o_proj.weight.t(), a.o_proj.bias
-        self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight]) * w_post
-        self.gate_up_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        self.down_wt, self.down_b = m.down_proj.weight.t(), m.down_proj.bias
-        self.eps_in, self.eps_post = _eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)
-        self.eps_in_t, self.eps_post_t = _eps_tensor(self.eps_in, w_in), _eps_tensor(self.eps_post, w_in)
-        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        self.scaling = a.scaling
-
-
-def _eps(norm: nn.Module) -> float:
-    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-
-
-def _eps_tensor(eps: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.full((1,), eps, dtype=torch.float32, device=like.device)
-
-
-def _normed_linear(x: torch.Tensor, eps: float, eps_t: torch.Tensor, w: torch.Tensor,
-                   b: torch.Tensor | None) -> torch.Tensor:
-    """rms_norm(x) @ w.T + b, where `w` already carries the norm's weight.
+class _NormedLinear:
+    """rms_norm(x) @ (W * w).T + b: an HF RMSNorm (weight w) followed by a linear map (W, b),
+    with w folded into W's columns (norm(x) * w @ W.T == norm(x) @ (W * w).T).
 
     The norm's row scale r = 1/sqrt(mean(x^2) + eps) commutes with the matmul, so in float32
     it is applied to the output: one fused reduction (`vector_norm`) and two tiny ops on (B, 1)
     instead of the composite rms_norm's five passes over x, which dominate small decode batches.
     Other dtypes normalise in float32 first, as HF does.
     """
-    if x.dtype != torch.float32:
-        return F.linear(_rms(x, eps), w, b)
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    r = torch.addcmul(eps_t, n, n, value=1.0 / x.size(-1)).rsqrt_()
-    out = F.linear(x, w)
-    return out.mul_(r) if b is None else torch.addcmul(b, out, r)
+
+    def __init__(self, norm: nn.Module, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        self.w, self.b = w * norm.weight, b
+        self.eps = _eps(norm)
+        self.eps_t = torch.full((1,), self.eps, dtype=torch.float32, device=w.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return F.linear(_rms(x, self.eps), self.w, self.b)
+        n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        r = torch.addcmul(self.eps_t, n, n, value=1.0 / x.size(-1)).rsqrt_()
+        out = F.linear(x, self.w)
+        return out.mul_(r) if self.b is None else torch.addcmul(self.b, out, r)
+
+
+class _Layer:
+    """One decoder layer's weights for this rollout: QKV and gate/up fused, each with the
+    RMSNorm before it folded in."""
+
+    def __init__(self, layer) -> None:
+        a, m = layer.self_attn, layer.mlp
+        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        qkv_b = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.weight.size(0), dtype=p.weight.dtype, device=p.weight.device)
+             for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
+        self.qkv = _NormedLinear(layer.input_layernorm,
+                                 torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b)
+        self.o_wt, self.o_b = a.o_proj.weight.t(), a.o_proj.bias
+        self.gate_up = _NormedLinear(layer.post_attention_layernorm,
+                                     torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                                     None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]))
+        self.down_wt, self.down_b = m.down_proj.weight.t(), m.down_proj.bias
+        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        self.scaling = a.scaling
+
+
+def _eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,9 +128,8 @@ class LeanCache:
     def __init__(self, decoder: "LeanDecoder", batch: int, max_len: int) -> None:
         d = decoder
         self.kv = torch.zeros((d.n_layer, batch, 2 * d.n_kv, max_len, d.head_dim), dtype=d.dtype, device=d.device)
-        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=d.device)
-        # the same as an additive attention mask (0 at real keys, -inf elsewhere), kept up to date so a
-        # decode step reads its mask instead of building one
+        # which cached positions are real tokens, as an additive attention mask (0 real, -inf
+        # padding or not yet written): a decode step reads its mask instead of building one
         self.bias = torch.full((batch, max_len), float("-inf"), dtype=d.dtype, device=d.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=d.device)  # real tokens seen per row
         self.pos, self.max_len, self.decoder = 0, max_len, decoder
@@ -137,7 +138,6 @@ class LeanCache:
         """Each row n times (a prompt prefilled once, shared by its n samples)."""
         out = LeanCache.__new__(LeanCache)
         out.kv = self.kv.repeat_interleave(n, dim=1)
-        out.key_valid = self.key_valid.repeat_interleave(n, dim=0)
         out.bias = self.bias.repeat_interleave(n, dim=0)
         out.count = self.count.repeat_interleave(n, dim=0)
         out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
@@ -153,10 +153,7 @@ class LeanDecoder:
     def __init__(self, hf_model, max_len: int) -> None:
         cfg, inner = hf_model.config, hf_model.model
         self.embed_w = inner.embed_tokens.weight
-        # the final norm's weight folded into the LM head, as the layers' norms are into theirs
-        self.head_w, self.head_b = hf_model.lm_head.weight * inner.norm.weight, hf_model.lm_head.bias
-        self.final_eps = _eps(inner.norm)
-        self.final_eps_t = _eps_tensor(self.final_eps, self.embed_w)
+        self.head = _NormedLinear(inner.norm, hf_model.lm_head.weight, hf_model.lm_head.bias)
         self.layers = [_Layer(layer) for layer in inner.layers]
         a = inner.layers[0].self_attn
         self.n_layer = len(self.layers)
@@ -197,7 +194,6 @@ class LeanDecoder:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
         # positions as HF computes them from the attention mask: the count of real tokens before
         if key_valid is None and T == 1:   # decode: one real token per row
-            cache.key_valid[:, start] = True
             cache.bias[:, start] = 0.0
             cos, sin = self._rope(cache.count, B, 1)
             cache.count += 1   # after the lookup
@@ -205,19 +201,18 @@ class LeanDecoder:
         else:
             if key_valid is None:
                 key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-            cache.key_valid[:, start:end] = key_valid
             cache.bias[:, start:end].masked_fill_(key_valid, 0.0)
             pos = (cache.count[:, None] + key_valid.long().cumsum(-1) - 1).clamp(min=0)
             cos, sin = self._rope(pos.reshape(-1), B, T)
             cache.count += key_valid.sum(-1)
-            mask = cache_mask(cache.key_valid[:, :end], start, end, False)
+            mask = cache_mask(cache.bias[:, :end] == 0, start, end, False)
             # additive float mask, built once here rather than converted by every layer's attention
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=idx.device).masked_fill_(~mask, float("-inf"))
         H, KV, D = self.n_head, self.n_kv, self.head_dim
         fused_rope = self.fused_rope
         x = F.embedding(idx, self.embed_w).view(B * T, -1)
         for i, L in enumerate(self.layers):
-            qkv = _normed_linear(x, L.eps_in, L.eps_in_t, L.qkv_w, L.qkv_b).view(B, T, H + 2 * KV, D).transpose(1, 2)
+            qkv = L.qkv(x).view(B, T, H + 2 * KV, D).transpose(1, 2)
             if fused_rope:   # rotate q, k (and v by the identity) in one pass; then one copy writes k and v
                 r = rotate(qkv, cos, sin)
                 q = r[:, :H]
@@ -231,11 +226,10 @@ class LeanDecoder:
             y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
                                                enable_gqa=KV != H)
             x = _linear_residual(x, y.transpose(1, 2).reshape(B * T, H * D), L.o_wt, L.o_b)
-            gate, up = _normed_linear(x, L.eps_post, L.eps_post_t, L.gate_up_w, L.gate_up_b).chunk(2, dim=-1)
+            gate, up = L.gate_up(x).chunk(2, dim=-1)
             x = _linear_residual(x, F.silu(gate) * up, L.down_wt, L.down_b)
         cache.pos = end
         x = x.view(B, T, -1)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return _normed_linear(x.reshape(-1, x.size(-1)), self.final_eps, self.final_eps_t, self.head_w,
-                              self.head_b).view(*x.shape[:2], -1)
+        return self.head(x.reshape(-1, x.size(-1))).view(*x.shape[:2], -1)

@@ -8,21 +8,25 @@ from math import comb
 import torch
 
 from .rewards import get_reward
-from .rewards.answers import extract_hash_answer
+from .rewards.answers import extract_hash_answer, final_answer_text, format_number, plain_number
 from .rollout.engine import generate
 
 
 def answer_key(completion: str, reward: str) -> str | None:
     """What maj@k votes on: the completion's final answer as the eval reward reads it."""
+    got = extract_hash_answer(completion)
     if reward == "math_accuracy":
+        line = final_answer_text(completion)
+        plain = plain_number(line) if line is not None else None
+        if plain is not None:   # math_accuracy decides plain numbers exactly, as the reader does
+            return format_number(plain)
         from .rewards.math_answers import parse_completion
         try:
             parsed = parse_completion(completion)
         except Exception:  # noqa: BLE001 - an unparseable sample casts no vote
             return None
         return str(parsed[-1]) if parsed else None
-    got = extract_hash_answer(completion)
-    return str(got) if got is not None else None
+    return format_number(got) if got is not None else None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -43,6 +47,35 @@ def _chunks(seq: list, size: int):
         yield seq[i:i + size]
 
 
+def score_samples(greedy: list[str], samples: list[str], answers: list, k: int,
+                  reward: str = "gsm8k_accuracy") -> tuple[dict, list[bool]]:
+    """Metrics of given completions: greedy accuracy and, when k > 1 (`samples` holds k per
+    problem, in order), pass@1..k and maj@k. Returns (metrics, per-problem greedy correctness).
+
+    maj@k votes on the final answers as the `reward` check reads them (samples with no answer
+    cast no vote; a tie goes to the answer seen first) and counts the problem right when that
+    answer is right.
+    """
+    check = get_reward(reward)
+    n = len(answers)
+    greedy_ok = [v == 1.0 for v in check(None, greedy, answer=answers)]
+    out = {"greedy_accuracy": sum(greedy_ok) / n}
+    if k > 1:
+        ok = [v == 1.0 for v in check(None, samples, answer=[a for a in answers for _ in range(k)])]
+        correct = [int(sum(ok[i * k:(i + 1) * k])) for i in range(n)]
+        for j in sorted({1, k} | {x for x in (2, 4) if x < k}):
+            out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / n
+        maj = 0
+        for i in range(n):
+            keys = [answer_key(s, reward) for s in samples[i * k:(i + 1) * k]]
+            votes = Counter(a for a in keys if a is not None)
+            if votes:
+                top = votes.most_common(1)[0][0]   # Counter keeps first-seen order among equal counts
+                maj += ok[i * k + keys.index(top)]
+        out[f"maj@{k}"] = maj / n
+    return out, greedy_ok
+
+
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
              reward: str = "gsm8k_accuracy") -> dict:
@@ -52,7 +85,6 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     the most common final answer among the k samples and counts it right when the samples
     giving it are right. Returns a metrics dict plus 'samples': one record per problem.
     """
-    check = get_reward(reward)
     prompts = [tokenizer.render_prompt(r["prompt"]) for r in rows]
     answers = [r["answer"] for r in rows]
     stop = tokenizer.stop_ids
@@ -60,8 +92,6 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     for chunk in _chunks(prompts, batch_size):
         greedy += _decode(tokenizer, generate(model, chunk, num_generations=1, max_new_tokens=max_new_tokens,
                                               temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id))
-    greedy_ok = [v == 1.0 for v in check(None, greedy, answer=answers)]
-    out = {"greedy_accuracy": sum(greedy_ok) / len(rows)}
     samples: list[str] = []
     if k > 1:
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -70,18 +100,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             samples += _decode(tokenizer, generate(model, chunk, num_generations=k, max_new_tokens=max_new_tokens,
                                                    temperature=temperature, stop_ids=stop,
                                                    pad_id=tokenizer.pad_id, generator=gen))
-        ok = [v == 1.0 for v in check(None, samples, answer=[a for a in answers for _ in range(k)])]
-        correct = [int(sum(ok[i * k:(i + 1) * k])) for i in range(len(rows))]
-        for j in sorted({1, k} | {x for x in (2, 4) if x < k}):
-            out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(rows)
-        maj = 0
-        for i in range(len(rows)):
-            keys = [answer_key(s, reward) for s in samples[i * k:(i + 1) * k]]
-            votes = Counter(a for a in keys if a is not None)
-            if votes:
-                top = votes.most_common(1)[0][0]
-                maj += ok[i * k + keys.index(top)]
-        out[f"maj@{k}"] = maj / len(rows)
+    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward)
     out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
                        **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}
                       for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]

@@ -13,6 +13,7 @@ from .config import Config
 from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
 from .data.tasks import arithmetic
 from .data.tasks.gsm8k import load_gsm8k
+from .determinism import pin_cpu_numerics
 from .eval import evaluate
 from .logging.console import Console
 from .models import CharTokenizer, build_builtin
@@ -25,8 +26,8 @@ EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8")
 
 
 def setup_torch(cfg: Config) -> None:
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    """Fixed thread count, MKL's dynamic threading off, seeded: same bits on an idle or busy machine."""
+    pin_cpu_numerics(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
 
 

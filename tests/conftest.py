@@ -28,3 +28,58 @@ def run_cli(*args, cwd=None, timeout=600):
     import subprocess
     return subprocess.run([sys.executable, "-m", "grpolab.cli", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=timeout)
+
+
+# GSM8K-format rows written by the tests themselves, so GSM8K coverage never depends on the
+# shared files: (question, worked answer with <<calculator>> notes ending '#### N', the loader's
+# canonical answer). Thousands separators, negative and decimal answers included.
+GSM8K_SAMPLE = {
+    "test": [
+        ("A baker makes 24 muffins every morning. She sells 3 boxes of 6 muffins and gives 2 muffins to "
+         "a neighbor. How many muffins are left?",
+         "She sells 3 * 6 = <<3*6=18>>18 muffins.\nShe gives away 2 more, so 18 + 2 = <<18+2=20>>20 muffins "
+         "are gone.\nThat leaves 24 - 20 = <<24-20=4>>4 muffins.\n#### 4", "4"),
+        ("A town of 12,500 people grows by 8% in one year. How many people live there after the year?",
+         "The town gains 12,500 * 0.08 = <<12500*0.08=1000>>1,000 people.\nSo it has 12,500 + 1,000 = "
+         "<<12500+1000=13500>>13,500 people.\n#### 13,500", "13500"),
+        ("The temperature at dawn was 5 degrees. It fell 3 degrees every hour for 4 hours. What was the "
+         "temperature then?",
+         "It fell 3 * 4 = <<3*4=12>>12 degrees in all.\nSo it was 5 - 12 = <<5-12=-7>>-7 degrees.\n#### -7", "-7"),
+        ("Tom buys 3 pens at $1.50 each. How much does he spend in dollars?",
+         "The pens cost 3 * 1.50 = $<<3*1.5=4.5>>4.50 in all.\n#### 4.5", "4.5"),
+        ("A club's account held $2,000 and then paid $3,250 in bills. What is the balance in dollars?",
+         "The balance is 2,000 - 3,250 = $<<2000-3250=-1250>>-1,250.\n#### -1,250", "-1250"),
+        ("A farmer plants 1,200 rows of corn with 45 plants in each row. How many plants are there?",
+         "There are 1,200 * 45 = <<1200*45=54000>>54,000 plants.\n#### 54000", "54000"),
+        ("Maria reads 15 pages a day for 2 weeks. How many pages does she read?",
+         "Two weeks is 2 * 7 = <<2*7=14>>14 days.\nShe reads 15 * 14 = <<15*14=210>>210 pages.\n#### 210", "210"),
+        ("A factory makes 1,250,000 bolts a year and ships 3/5 of them abroad. How many bolts does it ship "
+         "abroad?",
+         "It ships 1,250,000 * 3/5 = <<1250000*3/5=750000>>750,000 bolts abroad.\n#### 750,000", "750000"),
+    ],
+    "train": [
+        ("Janet has 3 dozen eggs. She uses 7 of them for a cake. How many eggs are left?",
+         "3 dozen is 3 * 12 = <<3*12=36>>36 eggs.\nShe has 36 - 7 = <<36-7=29>>29 eggs left.\n#### 29", "29"),
+        ("A shop's profit was -$450 in January and $1,325 in February. What was its total profit in "
+         "dollars?",
+         "The total is -450 + 1,325 = $<<-450+1325=875>>875.\n#### 875", "875"),
+        ("Sam drives at 65 miles per hour for 3.5 hours. How many miles does he drive?",
+         "He drives 65 * 3.5 = <<65*3.5=227.5>>227.5 miles.\n#### 227.5", "227.5"),
+        ("A submarine is at -120 meters. It rises 45 meters. At what depth is it now, in meters?",
+         "It is now at -120 + 45 = <<-120+45=-75>>-75 meters.\n#### -75", "-75"),
+        ("A stadium seats 42,000 people and sells out 3 games. How many tickets are sold?",
+         "It sells 42,000 * 3 = <<42000*3=126000>>126,000 tickets.\n#### 126,000", "126000"),
+    ],
+}
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    """A directory with GSM8K-format train.jsonl and test.jsonl ({'question', 'answer'}) from GSM8K_SAMPLE."""
+    import json
+    path = tmp_path / "gsm8k"
+    path.mkdir()
+    for split, rows in GSM8K_SAMPLE.items():
+        lines = [json.dumps({"question": q, "answer": a}) for q, a, _ in rows]
+        (path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return path

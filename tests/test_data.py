@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from grpolab.data.loading import DataError, filter_long_prompts, normalize_rows, read_records
 from grpolab.data.tasks.gsm8k import load_gsm8k
 
-from conftest import GSM8K_DIR
+from conftest import GSM8K_DIR, GSM8K_SAMPLE
 
 ROWS = [{"prompt": "1+1?", "answer": "2", "level": 1},
         {"prompt": "2+3?", "answer": "5", "level": 2}]
@@ -229,17 +230,58 @@ def test_gsm8k_from_a_written_file(tmp_path):
         load_gsm8k(str(path))
 
 
+def test_gsm8k_sample_is_realistic():
+    # the written rows are real worked solutions: each <<expr=value>> note is right, and the final
+    # '#### N' is the last note's value
+    for rows in GSM8K_SAMPLE.values():
+        for _, solution, answer in rows:
+            notes = re.findall(r"<<([^=>]+)=([^>]+)>>", solution)
+            assert notes, solution
+            for expr, value in notes:
+                assert eval(expr, {"__builtins__": {}}) == pytest.approx(float(value)), expr
+            assert float(notes[-1][1]) == float(answer)
+
+
+def test_gsm8k_files(gsm8k_dir):
+    test = load_gsm8k(str(gsm8k_dir / "test.jsonl"))
+    assert [r["prompt"] for r in test] == [q for q, _, _ in GSM8K_SAMPLE["test"]]
+    assert [r["solution"] for r in test] == [a for _, a, _ in GSM8K_SAMPLE["test"]]
+    assert [r["answer"] for r in test] == ["4", "13500", "-7", "4.5", "-1250", "54000", "210", "750000"]
+    # the directory form with a split gives the same rows, and they normalize unchanged
+    assert load_gsm8k(str(gsm8k_dir), split="test") == test
+    assert normalize_rows(test, source="gsm8k") == test
+    train = load_gsm8k(str(gsm8k_dir), split="train")
+    assert [r["answer"] for r in train] == ["29", "875", "227.5", "-75", "126000"]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    with pytest.raises(DataError, match=r"splits here are \['test', 'train'\]"):
+        load_gsm8k(str(gsm8k_dir), split="validation")
+
+
+def test_gsm8k_bad_final_line_names_file_and_row(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [
+        {"question": "Q1", "answer": "2 * 3 = <<2*3=6>>6\n#### 6"},
+        {"question": "Q2", "answer": "2 * 3 = <<2*3=6>>6\n#### 6\n#### six"}])   # the last '####' line counts
+    with pytest.raises(DataError, match=r"g\.jsonl: row 2: answer has no final '#### <number>' line "
+                                        r"\(its last '####' line reads 'six'\)"):
+        load_gsm8k(str(path))
+    write_jsonl(path, [{"question": "Q1", "answer": "#### 1/0"}])
+    with pytest.raises(DataError, match=r"g\.jsonl: row 1: .*reads '1/0'"):
+        load_gsm8k(str(path))
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").exists(), reason="shared GSM8K files not present")
 def test_gsm8k_real_files():
+    # an extra check on the real files where they exist; test_gsm8k_files covers the same code without them
     test = load_gsm8k(str(GSM8K_DIR / "test.jsonl"))
     assert len(test) == 1319
     assert test[0]["answer"] == "18" and test[0]["prompt"].startswith("Janet")
     assert test[0]["solution"].endswith("#### 18")
-    assert all(r["answer"].lstrip("-").replace(".", "", 1).isdigit() for r in test)
-    # the directory form with a split gives the same rows, and they normalize unchanged
+    assert all(re.fullmatch(r"-?[0-9]+", r["answer"]) for r in test)
     assert load_gsm8k(str(GSM8K_DIR), split="test") == test
     assert normalize_rows(test, source="gsm8k") == test
     if (GSM8K_DIR / "train.jsonl").exists():
         train = load_gsm8k(str(GSM8K_DIR), split="train")
         assert len(train) == 7473
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+        # '#### 1,080' in the file is '1080' in the rows
+        assert {r["answer"] for r in train if "#### 1,080" in r["solution"]} == {"1080"}

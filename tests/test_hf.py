@@ -128,24 +128,30 @@ def test_trainer_logprobs_equal_a_plain_forward_per_row(policy):
         torch.testing.assert_close(lp[i][g.completion_mask[i]], plain, atol=1e-5, rtol=0)
 
 
-def test_gsm8k_tiny_hf_config_runs_on_the_real_files(tmp_path):
-    """The issue's acceptance command: configs/gsm8k_tiny_hf.yaml on the GSM8K files, 3 steps."""
+def test_tiny_model_cli_then_gsm8k_tiny_hf_config(tmp_path, gsm8k_dir):
+    """`grpolab tiny-model` then configs/gsm8k_tiny_hf.yaml, 3 steps: on the shared GSM8K files when
+    they are beside the repository, else on GSM8K-format files written here."""
     from conftest import GSM8K_DIR
-    from transformers import AutoModelForCausalLM
-    if not (GSM8K_DIR / "train.jsonl").exists():
-        pytest.skip("GSM8K files not present beside the repository")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    data = GSM8K_DIR if (GSM8K_DIR / "train.jsonl").exists() else gsm8k_dir
     model_dir = tmp_path / "tiny"
-    r = run_cli("tiny-model", str(model_dir), "--data", str(GSM8K_DIR / "test.jsonl"))
+    r = run_cli("tiny-model", str(model_dir), "--data", str(data / "test.jsonl"), "--vocab-size", "400")
     assert r.returncode == 0, r.stderr
+    assert str(model_dir) in r.stdout
+    hf_tok = AutoTokenizer.from_pretrained(str(model_dir))
+    assert len(hf_tok) >= 400 and AutoModelForCausalLM.from_pretrained(str(model_dir)).config.vocab_size == len(hf_tok)
+    # the BPE tokenizer was trained on the data: its questions take far fewer tokens than bytes
+    question = json.loads((data / "test.jsonl").read_text().splitlines()[0])["question"]
+    assert len(hf_tok(question)["input_ids"]) < 0.6 * len(question.encode())
     out = tmp_path / "run"
     r = run_cli("train", "configs/gsm8k_tiny_hf.yaml", f"model.name_or_path={model_dir}",
-                f"data.train_path={GSM8K_DIR / 'train.jsonl'}", f"data.test_path={GSM8K_DIR / 'test.jsonl'}",
+                f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
                 "train.max_steps=3", f"train.output_dir={out}", "eval.num_problems=4")
     assert r.returncode == 0, r.stderr
     ckpts = sorted((out / "checkpoints").iterdir())
     assert ckpts[-1].name == "step_3"
     AutoModelForCausalLM.from_pretrained(str(ckpts[-1]))
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 def test_hf_resume_with_a_reference_model(tiny_dir, tmp_path):

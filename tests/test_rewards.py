@@ -8,7 +8,8 @@ import torch
 from grpolab.rewards import get_reward
 from grpolab.rewards.answers import extract_hash_answer, gsm8k_accuracy
 from grpolab.rewards.combine import RewardError, score
-from conftest import GSM8K_DIR
+from conftest import GSM8K_DIR, GSM8K_SAMPLE
+from grpolab.data.tasks.gsm8k import load_gsm8k
 
 
 @pytest.mark.parametrize("completion,answer,want", [
@@ -31,21 +32,40 @@ def test_gsm8k_accuracy_tricky_answers(completion, answer, want):
     assert gsm8k_accuracy(["p"], [completion], [answer]) == [want]
 
 
-def test_gsm8k_accuracy_on_real_gsm8k_references():
-    path = GSM8K_DIR / "test.jsonl"
-    if not path.exists():
-        pytest.skip("GSM8K files not present beside the repository")
-    rows = [json.loads(line) for line in path.open()][:200]
-    refs = [r["answer"] for r in rows]
-    finals = [r["answer"].split("####")[-1].strip() for r in rows]
-    assert gsm8k_accuracy(None, [f"#### {f}" for f in finals], refs) == [1.0] * len(rows)
+def gsm8k_test_file(source: str, gsm8k_dir):
+    """A GSM8K test.jsonl: the sample the gsm8k_dir fixture writes, or the shared real file."""
+    return (gsm8k_dir if source == "sample" else GSM8K_DIR) / "test.jsonl"
+
+
+def gsm8k_references(source: str, gsm8k_dir, n: int) -> list[str]:
+    """The first `n` worked solutions ('... #### N') of that file, read as plain JSON."""
+    refs = [json.loads(line)["answer"] for line in gsm8k_test_file(source, gsm8k_dir).open()][:n]
+    assert len(refs) == (len(GSM8K_SAMPLE["test"]) if source == "sample" else n)
+    return refs
+
+
+ON_REAL_GSM8K = pytest.param("real", marks=pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").exists(),
+                                                              reason="shared GSM8K files not present"))
+
+
+@pytest.mark.parametrize("source", ["sample", ON_REAL_GSM8K])
+def test_gsm8k_accuracy_on_gsm8k_references(source, gsm8k_dir):
+    refs = gsm8k_references(source, gsm8k_dir, 200)
+    finals = [r.split("####")[-1].strip() for r in refs]          # as written: '13,500', '-1,250'
+    assert gsm8k_accuracy(None, [f"#### {f}" for f in finals], refs) == [1.0] * len(refs)
     wrong = [f"#### {extract_hash_answer(r) + 1}" for r in refs]
-    assert gsm8k_accuracy(None, wrong, refs) == [0.0] * len(rows)
+    assert gsm8k_accuracy(None, wrong, refs) == [0.0] * len(refs)
+    # the loader's canonical 'answer' column is the same reference as the full solution
+    rows = load_gsm8k(str(gsm8k_test_file(source, gsm8k_dir)))[:len(refs)]
+    assert [r["solution"] for r in rows] == refs
+    assert gsm8k_accuracy(None, [f"#### {f}" for f in finals], [r["answer"] for r in rows]) == [1.0] * len(refs)
+    assert gsm8k_accuracy(None, wrong, [r["answer"] for r in rows]) == [0.0] * len(refs)
 
 
 def test_format_reward_and_registry():
     fmt = get_reward("format")
-    assert fmt(None, ["1+1=2\n#### 2", "#### x", "2", "#### -3."]) == [1.0, 0.0, 0.0, 1.0]
+    assert fmt(None, ["1+1=2\n#### 2", "#### x", "2", "#### -3.", "so the answer #### 5", "#### 5\n#### x"]) == \
+        [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     with pytest.raises(KeyError, match="unknown reward 'nope'.*gsm8k_accuracy"):
         get_reward("nope")
 
@@ -133,16 +153,14 @@ def test_math_accuracy_off_the_main_thread():
     assert out["r"] == [1.0, 0.0]
 
 
-def test_math_accuracy_on_real_gsm8k_references():
-    path = GSM8K_DIR / "test.jsonl"
-    if not path.exists():
-        pytest.skip("GSM8K files not present beside the repository")
-    rows = [json.loads(line) for line in path.open()][:40]
-    refs = [r["answer"] for r in rows]
-    finals = [r["answer"].split("####")[-1].strip() for r in rows]
-    assert math_accuracy(None, [f"so the answer is \\boxed{{{f}}}" for f in finals], refs) == [1.0] * len(rows)
+@pytest.mark.parametrize("source", ["sample", ON_REAL_GSM8K])
+def test_math_accuracy_on_gsm8k_references(source, gsm8k_dir):
+    refs = gsm8k_references(source, gsm8k_dir, 40)
+    finals = [r.split("####")[-1].strip() for r in refs]
+    assert math_accuracy(None, [f"so the answer is \\boxed{{{f}}}" for f in finals], refs) == [1.0] * len(refs)
+    assert math_accuracy(None, [f"#### {f}" for f in finals], refs) == [1.0] * len(refs)
     wrong = [f"#### {extract_hash_answer(r) + 1}" for r in refs]
-    assert math_accuracy(None, wrong, refs) == [0.0] * len(rows)
+    assert math_accuracy(None, wrong, refs) == [0.0] * len(refs)
 
 
 # ---- think_format --------------------------------------------------------------------------------

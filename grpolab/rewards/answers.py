@@ -1,44 +1,129 @@
-"""Answer-checking rewards for GSM8K-style '#### <number>' answers."""
+"""The one reader of GSM8K-style answers ('... #### 18'), and the gsm8k_accuracy reward.
+
+Rules (shared by gsm8k_accuracy, the `format` reward, math_accuracy's plain-number path and
+the GSM8K loader):
+  - the answer line is the text after the LAST '####' up to the end of that line; several
+    '####' lines: the last counts, even when it holds no number; no '####': no answer;
+  - the answer is the FIRST number on that line; words, units, '$' (before or after the
+    sign), '%' and a trailing period around it are ignored;
+  - a number: optional sign ('-', '+', unicode minus '−'), ASCII digits with valid thousands
+    separators ('1,234,567'; a comma not followed by exactly three digits ends the number, so
+    '1,23' reads 1), an optional decimal part ('3.50', '.5'), or a fraction of integers
+    ('1/2', '-3/4'); '1/0', and a number running on into '/' or '.' plus a digit ('1.5/2',
+    '1/2/3', '1.2.3'), are not numbers and give no answer;
+  - values are exact Fractions, so '0.5' == '1/2', '1,000' == '1000', '5.0' == '5'.
+"""
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from fractions import Fraction
 
-# '#### ' then everything to the end of that line
-_HASH_LINE = re.compile(r"####[ \t]*([^\n]*)")
-# a signed number with optional thousands separators and decimals, e.g. -1,234.50
-_NUMBER = re.compile(r"[-+−]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+−]?\s*\.\d+")
+_INT = r"[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+"
+# sign, an optional '$' after it, then an integer with a decimal part or '/denominator', or '.5'
+_NUMBER = re.compile(
+    rf"(?P<sign>[-+−]?)\$?(?:(?P<int>{_INT})(?:\.(?P<dec>[0-9]+)|/(?P<den>{_INT}))?|\.(?P<dec_only>[0-9]+))")
+# what may follow a number without making it something else: not '/2', '.3'
+_RUNS_ON = re.compile(r"[/.][0-9]")
+# besides its one number, a plain answer holds only words, spaces and this punctuation
+_PLAIN_REST = re.compile(r"[A-Za-z\s$%.,:;?()*'\"]*")
+
+
+def _value(m: re.Match) -> Fraction | None:
+    """The exact value of one `_NUMBER` match, or None ('1/0', digits past Python's int limit)."""
+    sign = -1 if m["sign"] in ("-", "−") else 1
+    try:
+        if m["dec_only"] is not None:
+            return sign * Fraction(f"0.{m['dec_only']}")
+        whole = int(m["int"].replace(",", ""))
+        if m["den"] is not None:
+            den = int(m["den"].replace(",", ""))
+            return sign * Fraction(whole, den) if den else None
+        return sign * (Fraction(f"{whole}.{m['dec']}") if m["dec"] is not None else Fraction(whole))
+    except ValueError:  # more digits than int() accepts
+        return None
+
+
+def _first_number(text: str) -> tuple[Fraction | None, re.Match | None]:
+    """The first number in `text` (None when it is not a valid number) and its match."""
+    m = _NUMBER.search(text)
+    if m is None or _RUNS_ON.match(text, m.end()):
+        return None, m
+    return _value(m), m
 
 
 def parse_number(text: str) -> Fraction | None:
-    """First number in `text` as an exact Fraction ('$1,234.50.' -> 2469/2), or None."""
-    m = _NUMBER.search(text)
-    if not m:
+    """The first number in `text` as an exact Fraction ('$1,234.50.' -> 2469/2), else None.
+
+    Only the first number counts: when it is not a number ('1/0', '1.5/2') the result is None.
+    """
+    return _first_number(text)[0]
+
+
+def plain_number(text: str) -> Fraction | None:
+    """The value of `text` when it is plainly one number ('$18.', '7 apples', '50%', '1/2').
+
+    Plain: exactly one number, and besides it only ASCII letters, whitespace and the
+    punctuation $ % . , : ; ? ( ) * ' ". Anything else (LaTeX '\\frac12', '2^10', 'x - 5',
+    a second number as in '3 + 4' or '1,23') is not plain: None.
+    """
+    value, m = _first_number(text)
+    if value is None:
         return None
-    s = re.sub(r"[\s,]", "", m.group(0)).replace("−", "-")
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
+    rest = text[:m.start()] + " " + text[m.end():]
+    return value if _PLAIN_REST.fullmatch(rest) and _NUMBER.search(rest) is None else None
+
+
+def final_answer_text(text: str) -> str | None:
+    """The text after the last '####' up to the end of that line, stripped; None without '####'."""
+    if "####" not in text:
         return None
+    return text.rsplit("####", 1)[1].split("\n", 1)[0].strip()
 
 
 def extract_hash_answer(text: str) -> Fraction | None:
-    """Number after the last '####' in `text`, or None when there is no such number."""
-    found = _HASH_LINE.findall(text)
-    return parse_number(found[-1]) if found else None
+    """The first number on the line after the last '####' in `text`, or None when it has none."""
+    line = final_answer_text(text)
+    return None if line is None else parse_number(line)
 
 
-def reference_answer(answer) -> Fraction | None:
-    """Reference from a full GSM8K solution ('...#### 72') or from a bare number ('72', 72)."""
-    if isinstance(answer, (int, float)):
+def reference_answer(answer: object) -> Fraction | None:
+    """The reference as a Fraction: a number (72, 2.5), a bare numeric string ('1/2', '1,000'),
+    or a full GSM8K solution ('... #### 72', read like a completion); None when it has no number."""
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, (int, Fraction)):
         return Fraction(answer)
+    if isinstance(answer, float):  # via the shortest repr: 0.1 is 1/10, not the binary float's value
+        answer = Decimal(repr(answer))
+    if isinstance(answer, Decimal):
+        return Fraction(answer) if answer.is_finite() else None
     text = str(answer)
     return extract_hash_answer(text) if "####" in text else parse_number(text)
 
 
+def format_number(value: Fraction) -> str:
+    """Canonical text of a value: integers '18', terminating decimals '-3.5', others '1/3'."""
+    value = Fraction(value)
+    num, den = value.numerator, value.denominator
+    if den == 1:
+        return str(num)
+    twos = fives = 0
+    while den % 2 == 0:
+        den, twos = den // 2, twos + 1
+    while den % 5 == 0:
+        den, fives = den // 5, fives + 1
+    if den != 1:
+        return f"{value.numerator}/{value.denominator}"
+    places = max(twos, fives)
+    digits = str(abs(num) * 10 ** places // value.denominator).rjust(places + 1, "0")
+    return f"{'-' if num < 0 else ''}{digits[:-places]}.{digits[-places:]}"
+
+
 def gsm8k_accuracy(prompts, completions, answer, **_) -> list[float]:
-    """1.0 when the completion's last '#### N' equals the reference numerically, else 0.0."""
+    """1.0 when the completion's answer (first number after its last '####') equals the
+    reference read by `reference_answer`, exactly as Fractions; else 0.0."""
     out = []
     for completion, ref in zip(completions, answer):
         got, want = extract_hash_answer(completion), reference_answer(ref)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 
-_ANSWER_LINE = re.compile(r"^####[ \t]*[-+−$]?\s*[\d.,]*\d", re.MULTILINE)
+from .answers import extract_hash_answer
 
 
 def answer_format(prompts, completions, **_) -> list[float]:
-    """1.0 when the completion has a line '#### <number>', else 0.0."""
-    return [1.0 if _ANSWER_LINE.search(c) else 0.0 for c in completions]
+    """1.0 when gsm8k_accuracy's reader finds an answer, else 0.0: a number on the line after
+    the last '####' (which may stand mid-line). So gsm8k_accuracy 1 implies format 1."""
+    return [1.0 if extract_hash_answer(c) is not None else 0.0 for c in completions]
 
 
 # DeepSeek-R1-Zero's template: '<think> ... </think> <answer> ... </answer>' and nothing else

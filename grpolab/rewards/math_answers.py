@@ -1,14 +1,22 @@
 """Math answer checking with the math-verify library (LaTeX, \\boxed{}, fractions, '#### N').
 
-A completion's candidate answer is the text after its last '####' when that parses
-(GSM8K convention), else whatever math-verify extracts from the whole completion
-(\\boxed{} first). The reference is the text after the last '####' when present (a full
-GSM8K solution), else the whole string. Equality is math-verify's `verify(gold, pred)`.
+A completion's candidate answer is its '####' line (`answers.final_answer_text`: the text
+after the last '####', to the end of that line) when that parses, else whatever math-verify
+extracts from the whole completion (\\boxed{} first). The reference is the '####' line of a
+full GSM8K solution, else the whole string.
+
+When both the completion's '####' line and the reference are plain numbers
+(`answers.plain_number`: '18', '$1,234.50', '1/2', '7 apples'), equality is exact Fraction
+equality, the same as gsm8k_accuracy's; otherwise it is math-verify's `verify(gold, pred)`.
 """
 
 from __future__ import annotations
 
 import threading
+from decimal import Decimal
+from fractions import Fraction
+
+from .answers import final_answer_text, plain_number, reference_answer
 
 # math-verify times out with signal.alarm: whole seconds, main thread only
 TIMEOUT_S = 5
@@ -17,13 +25,6 @@ TIMEOUT_S = 5
 def _timeout() -> int | None:
     # signal.signal raises ValueError outside the main thread, so run without a timeout there
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-def _after_last_hash(text: str) -> str | None:
-    """The line after the last '####' in `text`, or None when there is no '####'."""
-    if "####" not in text:
-        return None
-    return text.rsplit("####", 1)[1].split("\n", 1)[0].strip()
 
 
 def _parse_short(text: str) -> list:
@@ -45,18 +46,37 @@ def _parse_short(text: str) -> list:
     return []
 
 
+def _reference_text(answer) -> str:
+    """The reference's answer text: the '####' line of a GSM8K solution, else the whole string."""
+    text = str(answer)
+    hashed = final_answer_text(text)
+    return hashed if hashed is not None else text.strip()
+
+
+def _plain_equal(completion: str, answer) -> bool | None:
+    """Exact Fraction equality when the completion's '####' line and the reference are both
+    plain numbers (a number reference, 2.5, counts as one); None when either is not."""
+    line = final_answer_text(completion)
+    got = None if line is None else plain_number(line)
+    if got is None:
+        return None
+    if isinstance(answer, (int, float, Fraction, Decimal)) and not isinstance(answer, bool):
+        want = reference_answer(answer)
+    else:
+        want = plain_number(_reference_text(answer))
+    return None if want is None else got == want
+
+
 def parse_reference(answer) -> list:
     """Parsed gold answer from a bare number/LaTeX string or a GSM8K solution ending '#### N'."""
-    text = str(answer)
-    hashed = _after_last_hash(text)
-    return _parse_short(hashed if hashed is not None else text.strip())
+    return _parse_short(_reference_text(answer))
 
 
 def parse_completion(completion: str) -> list:
     """Parsed final answer of a completion: its last '#### N' if that parses, else math-verify's extraction."""
     from math_verify import parse
 
-    hashed = _after_last_hash(completion)
+    hashed = final_answer_text(completion)
     if hashed:
         parsed = _parse_short(hashed)
         if parsed:
@@ -67,11 +87,16 @@ def parse_completion(completion: str) -> list:
 def is_correct(completion: str, answer) -> bool | None:
     """True/False when the completion's answer equals the reference; None when the reference does not parse.
 
+    A plain-number '####' line against a plain-number reference compares as exact Fractions
+    (as gsm8k_accuracy does); everything else goes through math-verify.
     Never raises: a sample that errors or times out counts as wrong.
     """
     from math_verify import verify
 
     try:
+        exact = _plain_equal(completion, answer)
+        if exact is not None:
+            return exact
         gold = parse_reference(answer)
         if not gold:
             return None
@@ -82,7 +107,7 @@ def is_correct(completion: str, answer) -> bool | None:
 
 
 def math_accuracy(prompts, completions, answer, **_) -> list[float | None]:
-    """1.0 when the completion's final answer equals `answer` (math-verify), else 0.0.
+    """1.0 when the completion's final answer equals `answer` (see `is_correct`), else 0.0.
 
     None (not applicable) for a sample whose reference answer cannot be parsed.
     """

@@ -9,15 +9,17 @@ Reads a jsonl/parquet file, a directory with train/test files, or the hub name '
 from __future__ import annotations
 
 from grpolab.data.loading import DataError, read_records
+from grpolab.rewards.answers import extract_hash_answer, final_answer_text, format_number
 
 HUB_NAMES = ("openai/gsm8k", "gsm8k")
 
 
 def final_answer(solution: str) -> str | None:
-    """The text after the last '####', stripped, without thousands separators; None if there is no '####'."""
-    if "####" not in solution:
-        return None
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+    """The solution's answer in canonical form ('#### 1,000' -> '1000', '#### -3.50' -> '-3.5',
+    '#### 1/3' -> '1/3'): the first number on the line after the last '####', read by
+    `grpolab.rewards.answers` (the reader gsm8k_accuracy uses); None when that line has none."""
+    value = extract_hash_answer(solution)
+    return None if value is None else format_number(value)
 
 
 def load_gsm8k(path: str, split: str | None = None) -> list[dict]:
@@ -37,8 +39,10 @@ def load_gsm8k(path: str, split: str | None = None) -> list[dict]:
         if not isinstance(question, str) or not isinstance(solution, str):
             raise DataError(f"{where}: row {i}: 'question' and 'answer' must be strings")
         answer = final_answer(solution)
-        if not answer:
-            raise DataError(f"{where}: row {i}: answer has no final '#### <number>' line; "
+        if answer is None:
+            line = final_answer_text(solution)
+            found = "no '####'" if line is None else f"its last '####' line reads {line[:40]!r}"
+            raise DataError(f"{where}: row {i}: answer has no final '#### <number>' line ({found}); "
                             "end the answer with one or drop the row")
         extra = {k: v for k, v in record.items() if k not in ("question", "answer")}
         rows.append({**extra, "prompt": question, "answer": answer, "solution": solution})

@@ -1,0 +1,97 @@
+"""The sampler draws from the distribution it claims: token frequencies from `generate` against
+probabilities computed plainly here from the model's logits (temperature, top-k, top-p)."""
+
+import math
+
+import pytest
+import torch
+
+from grpolab.rollout.engine import generate
+
+N = 20000   # draws per case: a frequency is then within ~0.0035 of its probability (1 sigma at p=0.5)
+
+
+def _plain_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """softmax(logits / T), restricted to the top-k tokens, then to the smallest set of the most likely
+    tokens whose mass reaches top_p, renormalised. Written out without tensors."""
+    z = [x / temperature for x in logits]
+    m = max(z)
+    e = [math.exp(x - m) for x in z]
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    keep = set(order[:top_k]) if top_k else set(order)
+    total = sum(e[i] for i in keep)
+    nucleus, mass = set(), 0.0
+    for i in order:
+        if i not in keep:
+            continue
+        if mass >= top_p:
+            break
+        nucleus.add(i)
+        mass += e[i] / total
+    z_n = sum(e[i] for i in nucleus)
+    return [e[i] / z_n if i in nucleus else 0.0 for i in range(len(z))]
+
+
+@pytest.fixture
+def peaked_gpt(tiny_gpt):
+    """The random tiny GPT with a sharper head, so that top-k and top-p cut real probability mass."""
+    with torch.no_grad():
+        tiny_gpt.lm_head.weight.mul_(6.0)
+    return tiny_gpt
+
+
+def _check(freq: list[float], probs: list[float]) -> None:
+    for i, (f, p) in enumerate(zip(freq, probs)):
+        if p == 0.0:
+            assert f == 0.0, f"token {i} has probability 0 but was drawn {f * N:.0f} times"
+        else:   # 5 sigma of a binomial frequency, plus a hair for p near 0
+            assert abs(f - p) <= 5 * math.sqrt(p * (1 - p) / N) + 1e-4, (i, f, p)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0),
+                                                     (1.0, 0, 0.8), (0.8, 8, 0.9)])
+def test_first_and_second_token_frequencies_match_the_exact_probabilities(peaked_gpt, tok, temperature,
+                                                                          top_k, top_p):
+    model = peaked_gpt
+    prompt = tok.render_prompt("Sam has 3 apples.")
+    gen = generate(model, [prompt], num_generations=N, max_new_tokens=2, temperature=temperature,
+                   top_k=top_k, top_p=top_p, stop_ids=(), pad_id=tok.pad_id,
+                   generator=torch.Generator().manual_seed(1))
+    V = model.config.vocab_size
+    with torch.no_grad():
+        first_logits = model(torch.tensor([prompt]))[0, -1].tolist()
+    probs = _plain_probs(first_logits, temperature, top_k, top_p)
+    assert sum(p > 0 for p in probs) > 3   # the case restricts a real distribution, not one token
+    first = gen.completion_ids[:, 0]
+    freq = torch.bincount(first, minlength=V).double().div(N).tolist()
+    _check(freq, probs)
+
+    # the second token, drawn through the KV cache, given the most common first token
+    t1 = int(first.mode().values)
+    rows = first == t1
+    n = int(rows.sum())
+    with torch.no_grad():
+        second_logits = model(torch.tensor([prompt + [t1]]))[0, -1].tolist()
+    probs2 = _plain_probs(second_logits, temperature, top_k, top_p)
+    freq2 = torch.bincount(gen.completion_ids[rows, 1], minlength=V).double().div(n).tolist()
+    for i, (f, p) in enumerate(zip(freq2, probs2)):
+        assert (f == 0.0) if p == 0.0 else abs(f - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-4, (i, f, p)
+
+    # the recorded log-prob is that of the tempered full distribution (what the trainer recomputes)
+    z = torch.tensor(first_logits) / temperature
+    want = z.log_softmax(-1)[first]
+    torch.testing.assert_close(gen.sampler_logprobs[:, 0], want, atol=1e-5, rtol=0)
+
+
+def test_a_wrong_temperature_would_fail_the_frequency_check(peaked_gpt, tok):
+    """The check above has power: frequencies at T=1 are far from the T=0.7 probabilities."""
+    model = peaked_gpt
+    prompt = tok.render_prompt("Sam has 3 apples.")
+    gen = generate(model, [prompt], num_generations=N, max_new_tokens=1, temperature=1.0, stop_ids=(),
+                   pad_id=tok.pad_id, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1].tolist()
+    freq = torch.bincount(gen.completion_ids[:, 0], minlength=len(logits)).double().div(N).tolist()
+    _check(freq, _plain_probs(logits, 1.0, 0, 1.0))
+    with pytest.raises(AssertionError):
+        _check(freq, _plain_probs(logits, 0.7, 0, 1.0))

@@ -29,11 +29,9 @@ How the two are made to do exactly the same work
     the spot) saved once to a temporary directory; both trainers load that directory.
   * Prompt: `arithmetic.generate("train", 1, seed=0)[0]`, a plain string on both sides
     (same token ids: the tokenizer adds no BOS).
-  * Exactly 64 tokens, ours: the trainer stops a completion at `tokenizer.stop_ids`; there is
-    no config key to turn that off, so after building the trainer we set
-    `trainer.tok.stop_ids = ()` (the same thing bench/rollout.py passes to the engine) and the
-    rollout then always runs `rollout.max_new_tokens` = 64 steps. An EOS token may still be
-    sampled; it is just not a stop.
+  * Exactly 64 tokens, ours: `rollout.ignore_eos=true`, so the rollout passes no stop ids to the
+    engine (the same thing bench/rollout.py does) and always runs `rollout.max_new_tokens` = 64
+    steps. An EOS token may still be sampled; it is just not a stop.
   * Exactly 64 tokens, TRL: `max_completion_length=64` plus `generation_kwargs=
     {"min_new_tokens": 64}`, which transformers' `generate` implements by setting the logits
     of every EOS id (TRL always includes the tokenizer's EOS) to -inf for the first 64
@@ -138,7 +136,7 @@ def build_ours(model_dir: Path, row: dict, run_dir: Path) -> GRPOTrainer:
         "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
         "algorithm": {"preset": "grpo", "beta": BETA, "num_iterations": 1},
         "rollout": {"prompts_per_step": 1, "num_generations": G, "max_new_tokens": NEW_TOKENS,
-                    "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "ignore_eos": True},
         "reward": {"functions": [REWARD]},
         "optim": {"lr": LR, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "warmup_steps": 0,
                   "lr_schedule": "constant", "max_grad_norm": 1.0, "micro_batch_size": 0},
@@ -147,10 +145,7 @@ def build_ours(model_dir: Path, row: dict, run_dir: Path) -> GRPOTrainer:
     })
     console = Console(stream=sys.stderr, level="quiet")
     model, tok = load_policy(cfg, [row], console)
-    trainer = GRPOTrainer(cfg, model, tok, [row], [], run_dir, console)
-    # No stop ids: every completion runs the full rollout.max_new_tokens (there is no config key).
-    trainer.tok.stop_ids = ()
-    return trainer
+    return GRPOTrainer(cfg, model, tok, [row], [], run_dir, console)
 
 
 def ours_step(trainer: GRPOTrainer) -> tuple[float, dict]:

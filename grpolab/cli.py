@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import Config, ConfigError, load_config
+from .config import ConfigError, check_output_dir, load_config
 
 DEMO_DIR = "runs/demo"
 
@@ -65,19 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         from . import pipeline  # imported late so `grpolab --help` is instant
         from .data.loading import DataError
         from .rewards.errors import RewardError
+        from .train.checkpoint import CheckpointError
         from .train.grpo import TrainingError
 
         if args.command == "demo":
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
             if args.steps is not None:
                 overrides.append(f"train.max_steps={args.steps}")
-            pipeline.run_demo(load_config(None, overrides))
+            cfg = load_config(None, overrides)
+            check_output_dir(cfg)
+            pipeline.run_demo(cfg)
         elif args.command == "train":
             config_path = args.config
             overrides = list(args.overrides)
             if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
                 config_path, overrides = None, [config_path] + overrides
-            pipeline.run_train(load_config(config_path, overrides))
+            cfg = load_config(config_path, overrides)
+            check_output_dir(cfg)
+            pipeline.run_train(cfg)
         elif args.command == "eval":
             pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
         elif args.command == "report":
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"grpolab: config error: {e}", file=sys.stderr)
         return 2
-    except (DataError, RewardError, TrainingError) as e:
+    except (DataError, RewardError, TrainingError, CheckpointError) as e:
         if args.debug:
             raise
         print(f"grpolab: {type(e).__name__.replace('Error', '').lower()} error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ class ModelConfig:
     device: str = "cpu"            # cpu | cuda | cuda:N | auto (cuda when available)
     trust_remote_code: bool = False  # HF models: allow custom modelling code from the model repo
     n_layer: int = 4               # builtin only: transformer blocks
-    n_head: int = 4                # builtin only: attention heads (must divide n_embd)
+    n_head: int = 4                # builtin only: attention heads (n_embd / n_head must be an even integer: RoPE)
     n_embd: int = 128              # builtin only: width
     block_size: int = 160          # builtin only: longest prompt + completion, in tokens
 
@@ -38,7 +39,8 @@ class ModelConfig:
 class SFTConfig:
     steps: int = 600               # supervised warm-start steps before RL (0 = none)
     batch_size: int = 32           # solved problems per step
-    lr: float = 3e-3               # peak learning rate (linear warmup, then linear decay to 0)
+    lr: float = 3e-3               # peak learning rate, times a linear warmup and a linear decay from the first
+    #                                step to 0 at sft.steps (train/schedule.py)
     warmup_steps: int = 20         # linear warmup steps of the warm start
     weight_decay: float = 0.0      # AdamW weight decay of the warm start
     max_grad_norm: float = 1.0     # gradient clipping of the warm start
@@ -83,6 +85,8 @@ class RolloutConfig:
     lean_decode: bool = True       # HF llama/mistral/qwen2/qwen3 models: sample through grpolab's lean decode
     #                                path (preallocated KV cache, fused projections; same logits); false = the
     #                                model's own forward with its DynamicCache. Other models always use the latter
+    ignore_eos: bool = False       # rollouts never stop at the stop token: every completion runs to max_new_tokens
+    #                                (benchmarks; a sampled stop token is then an ordinary token; eval still stops)
 
 
 @dataclass
@@ -128,7 +132,7 @@ class OptimConfig:
     weight_decay: float = 0.0      # AdamW weight decay
     beta1: float = 0.9             # AdamW momentum coefficients ...
     beta2: float = 0.99            # (beta1, beta2)
-    warmup_steps: int = 5          # linear warmup from 0
+    warmup_steps: int = 5          # linear warmup over N steps: step k (from 1) uses lr * k / N
     lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at train.max_steps)
     max_grad_norm: float = 1.0     # gradient clipping; 0 = off
     micro_batch_size: int = 0      # rows per forward/backward; 0 = whole batch at once
@@ -142,7 +146,8 @@ class TrainConfig:
     save_every: int = 0            # checkpoint every N steps (0 = only at the end)
     eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end)
     log_every: int = 1             # console line every N steps
-    threads: int = 0               # torch CPU threads; 0 = all cores
+    threads: int = 0               # torch CPU threads, fixed for the whole run (0 = all cores); results are
+    #                                bit-identical for the same count, idle machine or busy (see Determinism)
     resume: str | None = None      # auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir:
     #                                restores model, reference, optimizer, scheduler, RNG and data position
     keep_checkpoints: int = 3      # keep the newest N checkpoints (0 = keep all)
@@ -308,6 +313,25 @@ def _apply(cfg: Config, settings: list[tuple[str, Any]]) -> Config:
 
 
 # ---------------------------------------------------------------- validation
+
+def check_output_dir(cfg: Config) -> None:
+    """train.output_dir can be created and written (checked before any work, as validate() checks
+    values without touching the filesystem); ConfigError naming the key otherwise."""
+    path = Path(cfg.train.output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".grpolab_write_check_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            reason = f"{str(existing)!r} is a file, not a directory"
+        else:
+            reason = (e.strerror or type(e).__name__) + (f" ({str(e.filename)!r})" if e.filename else "")
+        raise ConfigError(f"train.output_dir: cannot write the run directory {str(path)!r}: {reason}; "
+                          f"give a writable directory") from None
+
 
 def _need(cond: bool, msg: str) -> None:
     if not cond:

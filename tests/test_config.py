@@ -35,6 +35,7 @@ def test_yaml_then_overrides(tmp_path):
     ("reward.weights=[1.0,2.0]", "reward.weights: 2 weights for 1 functions"),
     ("train.max_steps=2.5", "train.max_steps: expected int, got 2.5"),
     ("model.n_embd=100", "model.n_embd: 100 must be a multiple of 2*model.n_head"),
+    ("model.n_embd=12", "model.n_embd: 12 must be a multiple of 2*model.n_head (8) for RoPE"),  # 4 heads of 3: odd
     ("rollout.max_new_tokens", "must look like section.key=value"),
 ])
 def test_bad_values_name_the_key_and_the_fix(override, msg):

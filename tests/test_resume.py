@@ -1,10 +1,13 @@
-"""Stop and resume exactly: a run killed with SIGKILL and resumed writes the same metrics."""
+"""Stop and resume exactly: a run killed (SIGKILL) or resumed from an earlier checkpoint writes the same
+metrics.jsonl, samples.jsonl, TensorBoard scalars and wandb history as one that never stopped."""
 
 import json
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import ROOT, run_cli
 from test_grpo import TINY
@@ -101,3 +104,141 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     assert r.returncode == 0, r.stderr
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert not any(p.name.startswith(".tmp_") for p in ckpts.iterdir())
+
+
+# ---------------------------------------------------------------- in-process: resume from an earlier checkpoint
+# A finished run's directory is what a run killed after its last step leaves; resuming it from an
+# earlier checkpoint (explicit train.resume=PATH) must cut every record back to that step and
+# write the same files again.
+
+PARITY_REWARD = """
+import re
+def parity_len(prompts, completions, **_):
+    return [0.0 if int(re.search(r"\\d+", p).group()) % 2 == 0 else float(len(c))
+            for p, c in zip(prompts, completions)]
+"""
+
+
+def _train(out, args):
+    from pathlib import Path
+    from grpolab.config import load_config
+    from grpolab.logging.console import Console
+    from grpolab.pipeline import build_trainer, setup_torch
+    cfg = load_config(None, TINY + [f"train.output_dir={out}", *args])
+    setup_torch(cfg)
+    trainer = build_trainer(cfg, Path(out), Console(quiet=True))
+    trainer.train()
+    return trainer
+
+
+def _straight_then_resumed(tmp_path, args, resume_step=2):
+    import shutil
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    started = time.time()
+    _train(straight, args)
+    shutil.copytree(straight, resumed)
+    # TensorBoard event files and wandb offline runs are named by the second they were created in;
+    # the resumed writers must not share the interrupted ones' second (outside a test they never do)
+    if int(time.time()) == int(started):
+        time.sleep(1.01 - time.time() % 1.0)
+    ckpt = resumed / "checkpoints" / f"step_{resume_step}"
+    trainer = _train(resumed, [*args, f"train.resume={ckpt}"])
+    return straight, resumed, trainer
+
+
+BASE = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=0", "log.samples_every=1",
+        "log.samples_per_step=3", "reward.functions=[length]"]
+CASES = {
+    "beta": ["algorithm.beta=0.04", "log.tensorboard=true"],
+    "num_iterations": ["algorithm.num_iterations=2", "algorithm.beta=0.04"],
+    "dynamic_sampling": ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_from_an_explicit_path_rewrites_the_same_records(tmp_path, case):
+    args = BASE + CASES[case]
+    if case == "dynamic_sampling":
+        fn = tmp_path / "parity.py"
+        fn.write_text(PARITY_REWARD)
+        args = [a for a in args if not a.startswith("reward.")] + [f"reward.functions=[{fn}:parity_len]"]
+    straight, resumed, trainer = _straight_then_resumed(tmp_path, args)
+    assert trainer.step == 4
+    a, b = _strip(straight / "metrics.jsonl"), _strip(resumed / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert a == b
+    if case == "dynamic_sampling":
+        assert any(m["dynamic_sampling/rounds"] > 1 for m in a)   # the data position moved unevenly
+    samples = (resumed / "samples.jsonl").read_text()
+    assert [json.loads(ln)["step"] for ln in samples.splitlines()] == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    assert samples == (straight / "samples.jsonl").read_text()
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    if "log.tensorboard=true" in args:
+        _check_tensorboard(straight, resumed)
+
+
+def _scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _check_tensorboard(straight, resumed):
+    assert len(list((resumed / "tensorboard").glob("events.out.tfevents.*"))) == 2   # interrupted + resumed
+    want, got = _scalars(straight), _scalars(resumed)
+    assert set(got) == set(want) and "reward" in got
+    for tag, points in want.items():
+        if tag.startswith(("time/", "perf/")):
+            assert [s for s, _ in got[tag]] == [1, 2, 3, 4], tag
+        else:
+            assert got[tag] == points, tag   # each step once, the uninterrupted run's values
+
+
+def test_wandb_offline_run_continues_under_the_same_id(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    args = BASE + ["log.wandb_project=grpolab-test"]
+    straight, resumed, _ = _straight_then_resumed(tmp_path, args)
+    runs = sorted((resumed / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2   # the interrupted run's directory (copied) and the resumed one
+    ids = {p.name.rsplit("-", 1)[1] for p in runs}
+    assert len(ids) == 1
+    run_id = ids.pop()
+    state = json.loads((resumed / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["wandb_run_id"] == run_id
+    history = _wandb_history(runs[1] / f"run-{run_id}.wandb")
+    assert sorted(history) == [3, 4]   # the resumed run logged the steps after the checkpoint
+    metrics = {m["step"]: m for m in _strip(straight / "metrics.jsonl")}
+    for step, logged in history.items():
+        assert logged["reward"] == pytest.approx(metrics[step]["reward"], abs=1e-12)
+        assert logged["loss"] == pytest.approx(metrics[step]["loss"], abs=1e-12)
+
+
+def _wandb_history(path):
+    """{step: {key: value}} from an offline run's .wandb file (LevelDB log format of Record protos)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buf, out = 7, 32768, b"", {}
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:
+            pos += room
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if n == 0 and kind == 0:
+            break
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):   # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            if rec.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+                out[rec.history.step.num] = items
+    return out

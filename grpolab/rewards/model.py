@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..utils.padding import pad_sequences
 from .errors import RewardError
 
 PREFIX = "rm:"
@@ -71,18 +72,6 @@ def rm_input(tok, prompt, completion: str) -> tuple[str, bool]:
     return ("" if prompt is None else str(prompt)) + completion, True
 
 
-def _pad(ids: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) (B, T) padded to the longest row on the tokenizer's padding side."""
-    width = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for r, x in enumerate(ids):
-        cols = slice(width - len(x), width) if left else slice(0, len(x))
-        input_ids[r, cols] = torch.tensor(x, dtype=torch.long)
-        mask[r, cols] = 1
-    return input_ids, mask
-
-
 def score_texts(model, tok, inputs: list[tuple[str, bool]], batch_size: int = 16) -> list[float]:
     """logits[:, 0] for each (text, add_special_tokens), in batches padded with the tokenizer's pad token."""
     max_len = _max_length(tok)
@@ -90,7 +79,9 @@ def score_texts(model, tok, inputs: list[tuple[str, bool]], batch_size: int = 16
     for i in range(0, len(inputs), batch_size):
         ids = [tok(text, add_special_tokens=special, truncation=max_len is not None, max_length=max_len)["input_ids"]
                for text, special in inputs[i:i + batch_size]]
-        input_ids, attention_mask = _pad(ids, tok.pad_token_id, left=tok.padding_side == "left")
+        # padded to the longest row on the tokenizer's padding side; HF takes a 0/1 long attention mask
+        input_ids, mask = pad_sequences(ids, tok.pad_token_id, "left" if tok.padding_side == "left" else "right")
+        attention_mask = mask.long()
         with torch.no_grad():
             logits = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device)).logits
         scores.extend(logits[:, 0].float().cpu().tolist())

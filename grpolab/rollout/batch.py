@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..utils.padding import pad_to_width
 from .engine import Generation
 
 
@@ -45,14 +46,6 @@ class RolloutBatch:
                             advantages=None if self.advantages is None else self.advantages[idx])
 
 
-def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-    extra = width - t.size(1)
-    if extra == 0:
-        return t
-    pad = torch.full((t.size(0), extra), value, dtype=t.dtype, device=t.device)
-    return torch.cat([pad, t] if left else [t, pad], dim=1)
-
-
 def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """One batch from several (e.g. dynamic-sampling rounds): prompts re-padded on the left,
     completions on the right, group ids renumbered so groups stay distinct."""
@@ -62,11 +55,11 @@ def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     C = max(b.gen.completion_ids.size(1) for b in batches)
     gens = [b.gen for b in batches]
     gen = Generation(
-        prompt_ids=torch.cat([_pad_to(g.prompt_ids, P, pad_id, True) for g in gens]),
-        prompt_mask=torch.cat([_pad_to(g.prompt_mask, P, False, True) for g in gens]),
-        completion_ids=torch.cat([_pad_to(g.completion_ids, C, pad_id, False) for g in gens]),
-        completion_mask=torch.cat([_pad_to(g.completion_mask, C, False, False) for g in gens]),
-        sampler_logprobs=torch.cat([_pad_to(g.sampler_logprobs, C, 0.0, False) for g in gens]),
+        prompt_ids=torch.cat([pad_to_width(g.prompt_ids, P, pad_id, "left") for g in gens]),
+        prompt_mask=torch.cat([pad_to_width(g.prompt_mask, P, False, "left") for g in gens]),
+        completion_ids=torch.cat([pad_to_width(g.completion_ids, C, pad_id, "right") for g in gens]),
+        completion_mask=torch.cat([pad_to_width(g.completion_mask, C, False, "right") for g in gens]),
+        sampler_logprobs=torch.cat([pad_to_width(g.sampler_logprobs, C, 0.0, "right") for g in gens]),
         truncated=torch.cat([g.truncated for g in gens]))
     group_ids, offset = [], 0
     for b in batches:

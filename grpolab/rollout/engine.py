@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils.padding import pad_sequences
 from .sampling import sample_next
 
 
@@ -30,14 +31,8 @@ class Generation:
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = True
-    return ids, mask
+    """Prompts as the engine takes them: pad_sequences(seqs, pad_id, "left")."""
+    return pad_sequences(seqs, pad_id, "left")
 
 
 def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
@@ -60,7 +55,7 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
             generator) -> Generation:
     device = next(model.parameters()).device
     G = num_generations
-    p_ids, p_mask = left_pad(prompts, pad_id)
+    p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     P = p_ids.size(1)
     cache = model.new_cache(len(prompts), P + max_new_tokens)

@@ -6,13 +6,20 @@ Layout of checkpoints/step_N/:
     config.json, tokenizer Hugging Face models: the `save_pretrained` layout, so
     files, ...             `AutoModelForCausalLM.from_pretrained(step_N)` loads it
     optimizer.pt           optimizer and scheduler state (present for training checkpoints)
-    trainer_state.json     step and data position
+    rng.pt                 torch and sampler RNG states
+    ref.safetensors        the reference model (when algorithm.beta > 0)
+    trainer_state.json     step, data position (and the wandb run id)
+
+optimizer.pt and rng.pt hold tensors and plain containers only and are loaded with
+torch.load(weights_only=True): a checkpoint cannot run code when it is loaded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +29,13 @@ from safetensors.torch import load_model as load_safetensors_model
 
 from ..models import GPT, GPTConfig, CharTokenizer
 from ..models.hf import HFPolicy, load_hf
+
+TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
+ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (e.g. it holds pickled objects); the message says which file and why."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -34,13 +48,23 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
                     trainer_state: dict | None = None, rng: dict | None = None, ref_model=None) -> Path:
-    """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint."""
+    """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint, and
+    re-saving an existing step never leaves a moment without a complete one."""
     root = Path(ckpt_root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
-    tmp = root / f".tmp_step_{step}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                 trainer_state=trainer_state, rng=rng, ref_model=ref_model)
+    for _ in _install(tmp, final):
+        pass
+    return final
+
+
+def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
+           trainer_state: dict | None = None, rng: dict | None = None, ref_model=None) -> Path:
+    """Write the complete checkpoint to root/.tmp_step_N, fsynced; nothing else is touched."""
+    root.mkdir(parents=True, exist_ok=True)
+    recover_checkpoints(root)   # an earlier crash may have left a checkpoint aside, or a half-written one
+    tmp = root / f"{TMP}step_{step}"
     tmp.mkdir()
     if isinstance(model, HFPolicy):
         model.save(tmp)
@@ -51,6 +75,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict()},
                                                           indent=2))
+    # optimizer.pt and rng.pt hold only tensors and plain containers: they load with weights_only=True
     if optimizer is not None:
         torch.save({"optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
@@ -65,11 +90,51 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     _fsync_dir(tmp)
+    return tmp
+
+
+def _install(tmp: Path, final: Path):
+    """Move the staged `tmp` to `final`, one filesystem operation at a time, yielding after each
+    (a crash can only fall between two of them; the tests stop there). An existing `final` is
+    renamed aside first (.old_step_N) and deleted last, so at every moment a complete checkpoint
+    for the step exists: `final`, or the aside copy that recover_checkpoints puts back."""
+    root = final.parent
     if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    return final
+        aside = root / f"{ASIDE}{final.name}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+        _fsync_dir(root)
+        yield
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        yield
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    yield
+
+
+def recover_checkpoints(ckpt_root: str | Path) -> None:
+    """Clean up after a crash mid-save (called before a save and a resume; one writer per run
+    directory): an aside .old_step_N goes back to step_N when step_N is missing and is deleted
+    when the new step_N made it in; half-written .tmp_ directories are deleted."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(TMP) and p.is_dir():
+            shutil.rmtree(p)
+        elif p.name.startswith(ASIDE) and _is_step_name(p.name[len(ASIDE):]):
+            final = root / p.name[len(ASIDE):]
+            if _is_complete(final):
+                shutil.rmtree(p)
+            elif _is_complete(p):
+                if final.exists():
+                    shutil.rmtree(final)
+                os.rename(p, final)
+                _fsync_dir(root)
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
@@ -91,17 +156,29 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
 
 def _step_of(p: Path) -> int:
-    return int(p.name.split("_", 1)[1])
+    return int(p.name.rsplit("_", 1)[1])
+
+
+def _is_step_name(name: str) -> bool:
+    return name.startswith("step_") and name[5:].isdigit()
+
+
+def _is_complete(p: Path) -> bool:
+    return p.is_dir() and (p / "trainer_state.json").is_file()
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
-    """Complete checkpoints (step_N; never the .tmp_ ones a crash may leave), oldest first."""
+    """Complete checkpoints, oldest first: step_N, or the .old_step_N a crash mid-re-save left aside
+    when step_N is missing (recover_checkpoints renames it back); never the .tmp_ ones."""
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()
-             and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=_step_of)
+    found = {}
+    for p in root.iterdir():
+        name = p.name[len(ASIDE):] if p.name.startswith(ASIDE) else p.name
+        if _is_step_name(name) and _is_complete(p) and (p.name == name or name not in found):
+            found[name] = p
+    return sorted(found.values(), key=_step_of)
 
 
 def prune_checkpoints(ckpt_root: str | Path, keep: int) -> None:
@@ -112,11 +189,17 @@ def prune_checkpoints(ckpt_root: str | Path, keep: int) -> None:
 
 
 def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
-    """train.resume: 'auto' -> the newest checkpoint under output_dir (None if there is none); else the path."""
+    """train.resume: 'auto' -> the newest checkpoint under output_dir (None if there is none), after
+    cleaning up what a crash mid-save left there; else the path."""
     if resume == "auto":
-        found = list_checkpoints(Path(output_dir) / "checkpoints")
+        root = Path(output_dir) / "checkpoints"
+        recover_checkpoints(root)
+        found = list_checkpoints(root)
         return found[-1] if found else None
     p = Path(resume)
+    aside = p.parent / f"{ASIDE}{p.name}"
+    if _is_step_name(p.name) and not p.exists() and _is_complete(aside):
+        p = aside   # a crash mid-re-save left it aside; read it there (another run's directory: don't move it)
     if not (p / "trainer_state.json").is_file() or not (p / "optimizer.pt").is_file():
         raise FileNotFoundError(f"train.resume: {resume!r} is not a training checkpoint (checkpoints/step_N "
                                 f"with trainer_state.json and optimizer.pt)")
@@ -135,7 +218,20 @@ def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
         target = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
         if (p / "ref.safetensors").is_file():
             load_safetensors_model(target, str(p / "ref.safetensors"))
-    opt = torch.load(p / "optimizer.pt", weights_only=False)
-    rng = torch.load(p / "rng.pt", weights_only=False) if (p / "rng.pt").is_file() else {}
+    opt = _load_plain(p / "optimizer.pt")
+    rng = _load_plain(p / "rng.pt") if (p / "rng.pt").is_file() else {}
     trainer = json.loads((p / "trainer_state.json").read_text())
     return {"optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng, "trainer": trainer}
+
+
+def _load_plain(path: Path):
+    """torch.load with weights_only=True: tensors and plain containers only, so loading a
+    checkpoint can never run code pickled into it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"it holds {found.group(1)}" if found else str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{path}: refusing to load it: {what}, but it must hold only tensors and plain "
+                              f"containers (loaded with torch.load(weights_only=True), so loading can never run "
+                              f"code); grpolab writes no such file: resume only from checkpoints you trust") from None

@@ -38,18 +38,7 @@ from ..rollout.engine import NonFiniteLogits, generate
 from ..logging.trackers import Trackers
 from .checkpoint import load_training_state, prune_checkpoints, save_checkpoint
 from .logprobs import completion_logprobs
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier on the peak lr at optimizer step `step` (0-based): linear warmup, then the schedule."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+from .schedule import lr_factor
 
 
 class TrainingError(RuntimeError):
@@ -108,6 +97,7 @@ class GRPOTrainer:
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
         self.step = 0
         self.bad_steps = 0
+        self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
 
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
@@ -118,7 +108,7 @@ class GRPOTrainer:
         try:
             gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                           top_p=r.top_p, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
+                           top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids, pad_id=self.tok.pad_id,
                            generator=self.gen)
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
@@ -237,7 +227,7 @@ class GRPOTrainer:
         lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_ratio/low_sum": 0.0, "clip_ratio/high_sum": 0.0,
                 "clip_ratio/region_sum": 0.0}
-        grad_norms = []
+        grad_norms, applied = [], 0
         for _ in range(a.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             for s in slices:
@@ -265,7 +255,9 @@ class GRPOTrainer:
                 self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
                 break
             self.opt.step()
-        self.sched.step()
+            applied += 1
+        if applied:   # a skipped step leaves the schedule where it was: the next step gets this step's lr
+            self.sched.step()
         self.model.eval()
         passes = a.num_iterations
         out = {"lr": lr, "loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
@@ -348,7 +340,9 @@ class GRPOTrainer:
         if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
             (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
         stop = _StopFlag()
-        trackers = Trackers(self.cfg, self.run_dir)
+        # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
+        trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id)
+        self.wandb_run_id = trackers.wandb_run_id or self.wandb_run_id
         # a resumed run appends after the lines its checkpoint already covers
         with stop, trackers, open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") as f:
             while self.step < t.max_steps:
@@ -399,14 +393,16 @@ class GRPOTrainer:
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
                                optimizer=self.opt, scheduler=self.sched, rng=rng,
                                ref_model=self.ref,
-                               trainer_state={"sampler": self.sampler.state()})
+                               trainer_state={"sampler": self.sampler.state(),
+                                              **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
         return path
 
     def restore(self, ckpt: str | Path, weights: bool = True) -> None:
         """Continue exactly from a checkpoint written by `save`: weights (unless the policy was just
-        loaded from it), reference, optimizer, scheduler, RNG states, data position and step;
-        metrics.jsonl and samples.jsonl are cut back to that step."""
+        loaded from it), reference, optimizer, scheduler, RNG states, data position, step and wandb
+        run id; metrics.jsonl and samples.jsonl are cut back to that step (TensorBoard's points after
+        it are dropped when training starts again)."""
         state = load_training_state(ckpt, self.model if weights else None, self.ref)
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -416,6 +412,7 @@ class GRPOTrainer:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.sampler.restore(state["trainer"]["sampler"])
         self.step = state["trainer"]["step"]
+        self.wandb_run_id = state["trainer"].get("wandb_run_id")
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.run_dir / name
             if path.exists():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.padding import pad_to_width
+
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
@@ -34,13 +36,9 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
         logits = logits / temperature
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1)
-    logp = _pad_to(logp * completion_mask, C_full)
+    logp = pad_to_width(logp * completion_mask, C_full, 0.0)
     if not with_entropy:
         return logp
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, _pad_to(entropy, C_full)
-
-
-def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    return x if x.size(1) == width else torch.nn.functional.pad(x, (0, width - x.size(1)))
+    return logp, pad_to_width(entropy, C_full, 0.0)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import SFTConfig
+from ..utils.padding import pad_sequences
+from .schedule import lr_factor
 
 
 def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -22,15 +24,15 @@ def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, 
         p = tokenizer.render_prompt(r["prompt"])
         seqs.append(p + tokenizer.render_completion(r["answer"]))
         starts.append(len(p))
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.long)
-    valid = torch.zeros((len(seqs), width), dtype=torch.bool)
-    loss_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, (s, st) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = torch.tensor(s)
-        valid[i, :len(s)] = True
-        loss_mask[i, st:len(s)] = True
+    ids, valid = pad_sequences(seqs, tokenizer.pad_id, "right")
+    loss_mask = valid & (torch.arange(ids.size(1))[None] >= torch.tensor(starts)[:, None])
     return ids, valid, loss_mask
+
+
+def sft_lr_factor(step: int, warmup: int, steps: int) -> float:
+    """The warm start's lr multiplier at step `step` (0-based): linear warmup times a linear decay
+    that starts at step 0 and reaches 0 at `steps`."""
+    return lr_factor(step, warmup, steps, "linear", decay_start=0)
 
 
 def sft_loss(model, ids: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -49,8 +51,7 @@ def train_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, seed: int = 0,
     order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * max(0.0, 1 - s / max(1, cfg.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, cfg.warmup_steps, cfg.steps))
     model.train()
     losses = []
     t0 = time.time()

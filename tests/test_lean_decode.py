@@ -10,7 +10,8 @@ import torch
 
 from grpolab.models.hf import HFCache, HFPolicy
 from grpolab.models.lean_decode import LeanCache, unsupported_reason
-from grpolab.rollout.engine import generate, left_pad
+from grpolab.rollout.engine import generate
+from grpolab.utils.padding import pad_sequences
 
 pytest.importorskip("transformers")
 
@@ -54,7 +55,7 @@ def test_lean_decode_logits_equal_hf_forward(kind):
     policy = HFPolicy(hf)
     assert unsupported_reason(hf, 40) is None
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
-    ids, mask = left_pad(prompts, pad_id=0)
+    ids, mask = pad_sequences(prompts, pad_id=0, side="left")
     steps = 7
     nxt = torch.randint(1, 97, (len(prompts), steps), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -169,7 +170,7 @@ def test_lean_cache_additive_mask_tracks_real_tokens():
     prefill, the copy to G samples and decoding, so a decode step can read it instead of building one."""
     hf = _tiny("llama")
     policy = HFPolicy(hf)
-    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    ids, mask = pad_sequences([[5, 6, 7], [8]], pad_id=0, side="left")
     with torch.inference_mode():
         cache = policy.new_cache(2, 8)
         policy(ids, key_valid=mask, cache=cache, logits_to_keep=1)

@@ -1,6 +1,6 @@
 import torch
 
-from grpolab.rollout.engine import left_pad
+from grpolab.utils.padding import pad_sequences
 
 
 def test_kv_cache_decoding_equals_full_recomputation(tiny_gpt):
@@ -16,7 +16,7 @@ def test_kv_cache_decoding_equals_full_recomputation(tiny_gpt):
 
 def test_left_padding_does_not_change_a_row(tiny_gpt):
     a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13]
-    ids, mask = left_pad([a, b], pad_id=0)
+    ids, mask = pad_sequences([a, b], pad_id=0, side="left")
     padded = tiny_gpt(ids, key_valid=mask)
     alone = tiny_gpt(torch.tensor([b]))
     torch.testing.assert_close(padded[1, -3:], alone[0], atol=1e-5, rtol=1e-5)

@@ -30,11 +30,6 @@ class Generation:
     truncated: torch.Tensor         # (B,) bool, True when no stop token within max_new_tokens
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as the engine takes them: pad_sequences(seqs, pad_id, "left")."""
-    return pad_sequences(seqs, pad_id, "left")
-
-
 def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, check_output_dir, load_config
+from .config import ConfigError, load_config
 
 DEMO_DIR = "runs/demo"
 
@@ -72,17 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
             if args.steps is not None:
                 overrides.append(f"train.max_steps={args.steps}")
-            cfg = load_config(None, overrides)
-            check_output_dir(cfg)
-            pipeline.run_demo(cfg)
+            pipeline.run_demo(load_config(None, overrides))
         elif args.command == "train":
             config_path = args.config
             overrides = list(args.overrides)
             if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
                 config_path, overrides = None, [config_path] + overrides
-            cfg = load_config(config_path, overrides)
-            check_output_dir(cfg)
-            pipeline.run_train(cfg)
+            pipeline.run_train(load_config(config_path, overrides))
         elif args.command == "eval":
             pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
         elif args.command == "report":

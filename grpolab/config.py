@@ -146,8 +146,8 @@ class TrainConfig:
     save_every: int = 0            # checkpoint every N steps (0 = only at the end)
     eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end)
     log_every: int = 1             # console line every N steps
-    threads: int = 0               # torch CPU threads, fixed for the whole run (0 = all cores); results are
-    #                                bit-identical for the same count, idle machine or busy (see Determinism)
+    threads: int = 0               # torch CPU threads, fixed for the whole run (0 = all cores); same count,
+    #                                machine type and torch build: same bits, idle or busy (see Determinism)
     resume: str | None = None      # auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir:
     #                                restores model, reference, optimizer, scheduler, RNG and data position
     keep_checkpoints: int = 3      # keep the newest N checkpoints (0 = keep all)

@@ -3,30 +3,36 @@
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 from math import comb
 
 import torch
 
 from .rewards import get_reward
-from .rewards.answers import extract_hash_answer, final_answer_text, format_number, plain_number
+from .rewards.answers import extract_hash_answer, format_number, plain_hash_answer
 from .rollout.engine import generate
 
 
 def answer_key(completion: str, reward: str) -> str | None:
-    """What maj@k votes on: the completion's final answer as the eval reward reads it."""
-    got = extract_hash_answer(completion)
-    if reward == "math_accuracy":
-        line = final_answer_text(completion)
-        plain = plain_number(line) if line is not None else None
-        if plain is not None:   # math_accuracy decides plain numbers exactly, as the reader does
-            return format_number(plain)
-        from .rewards.math_answers import parse_completion
-        try:
-            parsed = parse_completion(completion)
-        except Exception:  # noqa: BLE001 - an unparseable sample casts no vote
-            return None
-        return str(parsed[-1]) if parsed else None
-    return format_number(got) if got is not None else None
+    """What maj@k votes on: the completion's final answer as the eval reward reads it, numbers in
+    canonical form ('0.5' for '#### 1/2' and for \\boxed{\\frac{1}{2}} alike)."""
+    if reward != "math_accuracy":
+        got = extract_hash_answer(completion)
+        return format_number(got) if got is not None else None
+    plain = plain_hash_answer(completion)
+    if plain is not None:   # math_accuracy decides plain numbers exactly, as the reader does
+        return format_number(plain)
+    from .rewards.math_answers import parse_completion
+    try:
+        parsed = parse_completion(completion)
+    except Exception:  # noqa: BLE001 - an unparseable sample casts no vote
+        return None
+    if not parsed:
+        return None
+    expr = parsed[0]
+    if getattr(expr, "is_Rational", False):   # a sympy Integer or Rational: the same key as a plain number
+        return format_number(Fraction(int(expr.p), int(expr.q)))
+    return str(parsed[-1])
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

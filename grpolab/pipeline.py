@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import Config
+from .config import Config, check_output_dir
 from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
 from .data.tasks import arithmetic
 from .data.tasks.gsm8k import load_gsm8k
@@ -111,7 +111,7 @@ def load_policy(cfg: Config, train_rows: list[dict], console: Console):
 
 
 def write_run_config(cfg: Config, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_output_dir(cfg)   # before any work: an unwritable train.output_dir is a config error naming the key
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 

@@ -18,7 +18,7 @@ from grpolab.data.tasks.gsm8k import load_gsm8k
 from grpolab.rewards.answers import (extract_hash_answer, final_answer_text, format_number, gsm8k_accuracy,
                                      parse_number, plain_number, reference_answer)
 from grpolab.rewards.format import answer_format
-from grpolab.rewards.math_answers import math_accuracy
+from grpolab.rewards.math_answers import _plain_equal, math_accuracy
 
 SOLD = "She sold 48/2 = 24 in May.\n48 + 24 = 72 in all.\n#### 72"
 
@@ -67,18 +67,17 @@ ROWS = [
     ("#### 72", SOLD, "72", 1, 1, "1"),
     ("#### 24", SOLD, "24", 0, 1, "0"),
     ("#### 5", "#### 5\n#### five", "5", 0, 1, "0 (math-verify)"),
-    ("#### 0.5", "\\frac12", "0.5", 0, 1, "1 (math-verify)"),   # gsm8k_accuracy reads '\frac12' as 12
+    ("#### 0.5", "\\frac12", "0.5", 0, 1, "1 (math-verify)"),
+    # not plain, so math-verify decides; its plain-text parser reads '4x' and '2 i' as lone numbers
+    ("#### 4", "4x", "4", 1, 1, "1 (math-verify)"),             # letters in the reference: algebra
+    ("#### 4x", "4", "4", 1, 1, "1 (math-verify)"),             # a letter touching the number
+    ("#### 2 i", "2", "2", 1, 1, "1 (math-verify)"),            # a one-letter word is a variable
+    ("#### - 5", "-5", "5", 0, 1, "0 (math-verify)"),           # a sign must touch its number   # gsm8k_accuracy reads '\frac12' as 12
 ]
 
 
 def _row_id(row) -> str:
     return f"{row[0]!r}~{row[1][:20]!r}"
-
-
-def _plain_side(text: str) -> str | None:
-    """The '####' line of a GSM8K-style text, else the whole string (what math_accuracy reads as plain)."""
-    line = final_answer_text(text)
-    return line if line is not None else text.strip()
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[_row_id(r) for r in ROWS])
@@ -91,8 +90,7 @@ def test_row(row, tmp_path):
     assert fmt == (read_as is not None)                        # format 1 exactly when the reader finds a number
 
     # math_accuracy: exact, and equal to gsm8k_accuracy, when both sides are plain numbers
-    line = final_answer_text(completion)
-    plain = line is not None and plain_number(line) is not None and plain_number(_plain_side(reference)) is not None
+    plain = _plain_equal(completion, reference) is not None   # the product's own routing
     value, _, how = math.partition(" ")
     assert plain == (how != "(math-verify)")
     assert math_accuracy(None, [completion], [reference]) == [float(value)]
@@ -193,6 +191,10 @@ def test_parse_number(text, want):
     ("\\$18", None),
     ("x - 5", None),
     ("5!", None),
+    ("4x", None),
+    ("x4", None),
+    ("2 i", None),
+    ("3 pi", 3),
     ("1e3", None),
     ("none", None),
 ])

@@ -75,3 +75,22 @@ def test_mkl_runs_reproducibly_with_fixed_threads(threads):
     for ln in calls:
         assert re.search(r"CNR:AUTO\b", ln) and re.search(r"Dyn:0\b", ln), ln
         assert re.search(rf"NThr:{want}\b", ln), ln
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch build does not use MKL")
+def test_the_train_command_pins_mkl(tmp_path):
+    """The product, not only the helper: every matrix product of `grpolab train` (warm start, rollout,
+    update, eval) runs with CNR on, dynamic threading off and one fixed thread count."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "OMP_"))}
+    env["MKL_VERBOSE"] = "1"
+    r = subprocess.run([sys.executable, "-m", "grpolab.cli", "train", "model.n_layer=1", "model.n_embd=32",
+                        "model.n_head=2", "sft.steps=2", "sft.batch_size=4", "data.train_size=50", "data.test_size=4",
+                        "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=4",
+                        "train.max_steps=1", "eval.num_problems=2", "eval.k=2", "log.level=quiet",
+                        f"train.output_dir={tmp_path}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    calls = [ln for ln in r.stdout.splitlines() if "GEMM(" in ln]
+    assert len(calls) > 100, r.stdout[-2000:]
+    assert all("CNR:AUTO" in ln and "Dyn:0" in ln for ln in calls), next(
+        ln for ln in calls if "CNR:AUTO" not in ln or "Dyn:0" not in ln)
+    assert len({re.search(r"NThr:(\d+)", ln).group(1) for ln in calls}) == 1

@@ -42,11 +42,12 @@ def test_scores_of_fixed_samples_equal_the_hand_computed_values():
 
 
 def test_maj_at_k_under_math_accuracy_votes_like_the_exact_check():
-    """'#### 1/2' and '#### 0.5' are one answer for math_accuracy's vote, as for its check."""
+    """'#### 1/2', '#### 3/6' and \\boxed{\\frac{1}{2}} are one answer for math_accuracy's vote, as
+    for its check: 3 votes against 2 for '3' (split, '3' would win the tie as the first seen)."""
     pytest.importorskip("math_verify")
     from grpolab.eval import score_samples
-    out, _ = score_samples(["#### 0.5"], ["#### 1/2", "#### 0.5", "#### 3", "#### 3", "#### 3/6"], ["0.5"], 5,
-                           reward="math_accuracy")
+    samples = ["#### 3", "so \\boxed{\\frac{1}{2}}", "#### 1/2", "#### 3", "#### 3/6"]
+    out, _ = score_samples(["#### 0.5"], samples, ["0.5"], 5, reward="math_accuracy")
     assert out["maj@5"] == 1.0 and out["pass@1"] == pytest.approx(3 / 5)
 
 

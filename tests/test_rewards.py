@@ -195,7 +195,7 @@ def test_length_reward():
     assert length(None, ["ab", "ab"], target_length=[2, 4]) == [0.0, -0.5]   # as a dataset column
     assert make_length_reward(4)(None, ["abcd", "ab"], target_length=99) == [0.0, -0.5]
     assert make_length_reward(4).__name__ == "length_4"
-    with pytest.raises(ValueError, match="target"):
+    with pytest.raises(ValueError, match=r"target must be > 0, got 0"):
         make_length_reward(0)
     total, per = score(["length"], [2.0], ["p"], ["x" * 40], {})
     assert total.tolist() == pytest.approx([-0.4]) and per["length"].tolist() == pytest.approx([-0.2])

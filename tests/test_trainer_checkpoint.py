@@ -106,3 +106,13 @@ def test_a_checkpoint_with_a_pickled_object_is_refused(tmp_path, name):
     with pytest.raises(CheckpointError, match=rf"{name}.*only tensors and plain containers"):
         tr.restore(path)
     assert not marker.exists()   # the payload never ran
+
+
+def test_a_truncated_checkpoint_file_is_one_clear_error(tmp_path):
+    tr = make_trainer(tmp_path / "run", "sft.steps=0", "reward.functions=[length]")
+    tr.train_step()
+    path = tr.save()
+    data = (path / "optimizer.pt").read_bytes()
+    (path / "optimizer.pt").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt: cannot be read .*resume from an earlier checkpoint"):
+        tr.restore(path)

@@ -66,11 +66,15 @@ def test_skipped_step_does_not_advance_the_lr_schedule(tmp_path):
 
 # ---------------------------------------------------------------- micro-batching end to end
 
-@pytest.mark.parametrize("extra", [[], ["algorithm.num_iterations=2"]], ids=["mu1", "mu2"])
-def test_update_is_independent_of_micro_batch_size(tmp_path, extra):
+@pytest.mark.parametrize("agg,extra", [("token-mean", []), ("seq-mean-token-mean", []),
+                                       ("seq-mean-token-sum-norm", ["algorithm.num_iterations=2"]),
+                                       ("token-mean", ["algorithm.num_iterations=2"])],
+                         ids=["token-mean-mu1", "seq-mean-token-mean-mu1", "seq-mean-token-sum-norm-mu2",
+                              "token-mean-mu2"])
+def test_update_is_independent_of_micro_batch_size(tmp_path, agg, extra):
     """1, 3 (uneven slices of the 8 rows) and 0 (all at once) give the same parameters after a step."""
     args = ["algorithm.beta=0.04", "reward.functions=[length]", "optim.lr=1e-3", "optim.warmup_steps=0",
-            "algorithm.loss_agg_mode=seq-mean-token-mean", *extra]
+            f"algorithm.loss_agg_mode={agg}", *extra]
     results = {}
     for mbs in (0, 1, 3):
         tr = make_trainer(tmp_path / str(mbs), *args, f"optim.micro_batch_size={mbs}")
@@ -190,7 +194,7 @@ def test_pad_sequences_and_pad_to_width():
     assert pad_to_width(t, 4, 0.0).tolist() == [[1.0, 2.0, 0.0, 0.0]]
     assert pad_to_width(t, 2, 0.0) is t
     assert pad_to_width(torch.tensor([[True]]), 3, False).tolist() == [[True, False, False]]
-    with pytest.raises(ValueError, match="side"):
+    with pytest.raises(ValueError, match=r"side must be 'left' or 'right', got 'middle'"):
         pad_sequences([[1]], 0, side="middle")
 
 

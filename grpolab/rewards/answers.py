@@ -24,7 +24,7 @@ _INT = r"[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+"
 # sign, an optional '$' after it, then an integer with a decimal part or '/denominator', or '.5'
 _NUMBER = re.compile(
     rf"(?P<sign>[-+−]?)\$?(?:(?P<int>{_INT})(?:\.(?P<dec>[0-9]+)|/(?P<den>{_INT}))?|\.(?P<dec_only>[0-9]+))")
-# what may follow a number without making it something else: not '/2', '.3'
+# what must not follow a number, or it is something else: '/2', '.3' ('1.5/2', '1.2.3')
 _RUNS_ON = re.compile(r"[/.][0-9]")
 # besides its one number, a plain answer holds only words, spaces and this punctuation
 _PLAIN_REST = re.compile(r"[A-Za-z\s$%.,:;?()*'\"]*")
@@ -64,15 +64,27 @@ def parse_number(text: str) -> Fraction | None:
 def plain_number(text: str) -> Fraction | None:
     """The value of `text` when it is plainly one number ('$18.', '7 apples', '50%', '1/2').
 
-    Plain: exactly one number, and besides it only ASCII letters, whitespace and the
-    punctuation $ % . , : ; ? ( ) * ' ". Anything else (LaTeX '\\frac12', '2^10', 'x - 5',
-    a second number as in '3 + 4' or '1,23') is not plain: None.
+    Plain: exactly one number, and besides it only words of two or more ASCII letters that do
+    not touch the number, whitespace and the punctuation $ % . , : ; ? ( ) * ' ". Anything else
+    (LaTeX '\\frac12', '2^10', 'x - 5', '4x', '2 i', a second number as in '3 + 4' or '1,23')
+    is not plain: None.
     """
     value, m = _first_number(text)
     if value is None:
         return None
-    rest = text[:m.start()] + " " + text[m.end():]
-    return value if _PLAIN_REST.fullmatch(rest) and _NUMBER.search(rest) is None else None
+    before, after = text[:m.start()], text[m.end():]
+    if before[-1:].isalpha() or after[:1].isalpha():   # '4x', 'x4': algebra, not a unit
+        return None
+    rest = before + " " + after
+    plain = (_PLAIN_REST.fullmatch(rest) and _NUMBER.search(rest) is None
+             and all(len(w) > 1 for w in re.findall(r"[A-Za-z]+", rest)))   # 'x', 'i' are variables
+    return value if plain else None
+
+
+def plain_hash_answer(text: str) -> Fraction | None:
+    """The plain number on the last '####' line of `text` (see `plain_number`), else None."""
+    line = final_answer_text(text)
+    return None if line is None else plain_number(line)
 
 
 def final_answer_text(text: str) -> str | None:

@@ -12,11 +12,12 @@ equality, the same as gsm8k_accuracy's; otherwise it is math-verify's `verify(go
 
 from __future__ import annotations
 
+import re
 import threading
 from decimal import Decimal
 from fractions import Fraction
 
-from .answers import final_answer_text, plain_number, reference_answer
+from .answers import final_answer_text, plain_hash_answer, plain_number, reference_answer
 
 # math-verify times out with signal.alarm: whole seconds, main thread only
 TIMEOUT_S = 5
@@ -55,15 +56,16 @@ def _reference_text(answer) -> str:
 
 def _plain_equal(completion: str, answer) -> bool | None:
     """Exact Fraction equality when the completion's '####' line and the reference are both
-    plain numbers (a number reference, 2.5, counts as one); None when either is not."""
-    line = final_answer_text(completion)
-    got = None if line is None else plain_number(line)
+    plain numbers (a number reference, 2.5, counts as one; a reference with any letter does not,
+    so '4x' and '3 pi' go to math-verify); None when either is not."""
+    got = plain_hash_answer(completion)
     if got is None:
         return None
     if isinstance(answer, (int, float, Fraction, Decimal)) and not isinstance(answer, bool):
         want = reference_answer(answer)
     else:
-        want = plain_number(_reference_text(answer))
+        ref = _reference_text(answer)
+        want = None if re.search(r"[A-Za-z]", ref) else plain_number(ref)
     return None if want is None else got == want
 
 

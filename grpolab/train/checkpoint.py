@@ -21,6 +21,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -93,7 +94,7 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
     return tmp
 
 
-def _install(tmp: Path, final: Path):
+def _install(tmp: Path, final: Path) -> Iterator[None]:
     """Move the staged `tmp` to `final`, one filesystem operation at a time, yielding after each
     (a crash can only fall between two of them; the tests stop there). An existing `final` is
     renamed aside first (.old_step_N) and deleted last, so at every moment a complete checkpoint
@@ -235,3 +236,6 @@ def _load_plain(path: Path):
         raise CheckpointError(f"{path}: refusing to load it: {what}, but it must hold only tensors and plain "
                               f"containers (loaded with torch.load(weights_only=True), so loading can never run "
                               f"code); grpolab writes no such file: resume only from checkpoints you trust") from None
+    except (RuntimeError, EOFError, OSError) as e:   # truncated or not a torch file at all
+        raise CheckpointError(f"{path}: cannot be read ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
+                              f"resume from an earlier checkpoint") from None

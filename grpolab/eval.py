@@ -53,7 +53,7 @@ def _chunks(seq: list, size: int):
         yield seq[i:i + size]
 
 
-def score_samples(greedy: list[str], samples: list[str], answers: list, k: int,
+def score_samples(greedy: list[str], samples: list[str], answers: list[str | int | float], k: int,
                   reward: str = "gsm8k_accuracy") -> tuple[dict, list[bool]]:
     """Metrics of given completions: greedy accuracy and, when k > 1 (`samples` holds k per
     problem, in order), pass@1..k and maj@k. Returns (metrics, per-problem greedy correctness).

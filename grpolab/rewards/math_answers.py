@@ -54,7 +54,7 @@ def _reference_text(answer) -> str:
     return hashed if hashed is not None else text.strip()
 
 
-def _plain_equal(completion: str, answer) -> bool | None:
+def _plain_equal(completion: str, answer: object) -> bool | None:
     """Exact Fraction equality when the completion's '####' line and the reference are both
     plain numbers (a number reference, 2.5, counts as one; a reference with any letter does not,
     so '4x' and '3 pi' go to math-verify); None when either is not."""

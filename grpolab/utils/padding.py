@@ -24,7 +24,7 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "left") -> tup
     return ids, mask
 
 
-def pad_to_width(t: torch.Tensor, width: int, value, side: str = "right") -> torch.Tensor:
+def pad_to_width(t: torch.Tensor, width: int, value: float | int | bool, side: str = "right") -> torch.Tensor:
     """`t` (B, T) widened to (B, width) with `value` on `side` (dtype, device and autograd kept);
     returned as is when already that wide."""
     if side not in ("left", "right"):

@@ -37,7 +37,7 @@ def pin_cpu_numerics(threads: int = 0) -> int:
     threading off; returns the thread count in use. Call before the first computation."""
     import torch   # here, so that importing grpolab (and `grpolab --help`) stays instant
 
-    set_reproducible_env()
+    # the MKL variables are already set: grpolab/__init__.py runs before this module can be imported
     n = threads or torch.get_num_threads()
     # set_num_threads also calls mkl_set_num_threads and mkl_set_dynamic(0): every MKL product
     # then uses exactly n threads, whatever else the machine runs.

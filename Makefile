@@ -15,8 +15,13 @@ $(VENV)/.core: pyproject.toml Makefile
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# verl's reward scorers are tested as grpolab rewards. verl itself pulls in vLLM-era pins, so it is
+# installed without its dependencies, plus the three its `import verl` needs.
+VERL ?= verl==0.9.1
 $(VENV)/.full: $(VENV)/.core
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(VERL)"
+	$(PY) -m pip install -q ray tensordict omegaconf
 	touch $@
 
 venv: $(VENV)/.full

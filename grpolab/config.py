@@ -91,7 +91,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    functions: list = field(default_factory=lambda: ["gsm8k_accuracy"])  # names from grpolab.rewards
+    functions: list = field(default_factory=lambda: ["gsm8k_accuracy"])  # reward specs: built-in names,
+    #                                'module:fn' / 'file.py:fn' (TRL's convention, optionally 'fn(key=value)' to
+    #                                call a factory), 'verl:module:fn' / 'verl:file.py:fn', 'rm:<model>
     weights: list | None = None    # one weight per function; None = all 1.0
 
 
@@ -346,7 +348,8 @@ def validate(cfg: Config) -> None:
     from .algorithms.advantages import ADV_ESTIMATORS
     from .algorithms.aggregate import AGG_MODES
     from .algorithms.losses import POLICY_LOSSES
-    from .rewards import REWARDS
+    from .rewards import REWARDS, RewardError
+    from .rewards.custom import parse_call
 
     m = cfg.model
     _need(bool(m.name_or_path), "model.name_or_path: give 'builtin' or a Hugging Face model directory / hub id")
@@ -394,7 +397,15 @@ def validate(cfg: Config) -> None:
         _need(isinstance(name, str) and bool(name), f"reward.functions: {name!r} is not a reward name")
         _need(name in REWARDS or ":" in name,
               f"reward.functions: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}; or give "
-              f"'package.module:function', 'path/to/file.py:function' or 'rm:<model dir or hub id>'")
+              f"'package.module:function', 'path/to/file.py:function', 'verl:path/to/file.py:compute_score' "
+              f"or 'rm:<model dir or hub id>'")
+        if ":" in name and not name.startswith("rm:"):
+            try:
+                parse_call(name[len("verl:"):] if name.startswith("verl:") else name)
+            except RewardError as e:
+                raise ConfigError(f"reward.functions: {e}") from None
+    _need(len(set(w.functions)) == len(w.functions), "reward.functions: a reward is listed twice; list it once "
+          "(give it a larger reward.weights entry to count it more)")
     if w.weights is not None:
         _need(len(w.weights) == len(w.functions),
               f"reward.weights: {len(w.weights)} weights for {len(w.functions)} functions; give one per function")

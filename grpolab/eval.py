@@ -64,10 +64,10 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
     """
     check = get_reward(reward)
     n = len(answers)
-    greedy_ok = [v == 1.0 for v in check(None, greedy, answer=answers)]
+    greedy_ok = [v == 1.0 for v in check(prompts=None, completions=greedy, answer=answers)]
     out = {"greedy_accuracy": sum(greedy_ok) / n}
     if k > 1:
-        ok = [v == 1.0 for v in check(None, samples, answer=[a for a in answers for _ in range(k)])]
+        ok = [v == 1.0 for v in check(prompts=None, completions=samples, answer=[a for a in answers for _ in range(k)])]
         correct = [int(sum(ok[i * k:(i + 1) * k])) for i in range(n)]
         for j in sorted({1, k} | {x for x in (2, 4) if x < k}):
             out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / n

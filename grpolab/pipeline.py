@@ -37,9 +37,9 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     if d.task == "arithmetic":
         task = arithmetic.ArithmeticConfig(min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand,
                                            max_value=d.max_value, allow_mul=d.allow_mul)
-        return (arithmetic.generate("train", d.train_size, cfg.train.seed, task),
-                arithmetic.generate("test", d.test_size, cfg.train.seed, task))
-    if d.task == "gsm8k":
+        train = arithmetic.generate("train", d.train_size, cfg.train.seed, task)
+        test = arithmetic.generate("test", d.test_size, cfg.train.seed, task)
+    elif d.task == "gsm8k":
         source = d.train_path or "openai/gsm8k"
         train = load_gsm8k(source, d.train_split)
         test = load_gsm8k(d.test_path, None) if d.test_path else load_gsm8k(source, d.test_split)
@@ -49,7 +49,18 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     else:
         train, test = (_read_split(d, path, split) for path, split in
                        ((d.train_path, d.train_split), (d.test_path or d.train_path, d.test_split)))
-    return (train[:d.train_size] if d.train_size else train), test
+    train = train[:d.train_size] if d.train_size else train
+    return _with_data_source(train, d), _with_data_source(test, d)
+
+
+# verl's name for a dataset, for rows without their own data_source column: verl-style rewards
+# dispatch on it (verl's default_compute_score knows 'openai/gsm8k')
+DATA_SOURCES = {"arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k"}
+
+
+def _with_data_source(rows: list[dict], d) -> list[dict]:
+    source = DATA_SOURCES.get(d.task, d.train_path)
+    return [r if "data_source" in r else {**r, "data_source": source} for r in rows]
 
 
 def _read_split(d, path: str, split: str) -> list[dict]:

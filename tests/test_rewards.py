@@ -276,7 +276,10 @@ def test_custom_function_errors_name_the_function_and_sample(tmp_path, monkeypat
                                           r"\(completion ''\)"):
         score(["picky.py:picky"], None, ["a", "b", "c"], ["x", "yy", ""], {})
     # a callable that does not follow the contract fails with its spec named
-    with pytest.raises(RewardError, match=r"reward function 'json:dumps' raised TypeError"):
+    with pytest.raises(RewardError, match=r"reward function 'json:dumps' needs 'obj', which grpolab does not pass: "
+                                          r"it calls reward functions by keyword with prompts, completions, "
+                                          r"completion_ids, trainer_state, log_extra, log_metric and the dataset "
+                                          r"columns \(none\)"):
         score(["json:dumps"], None, ["a"], ["x"], {})
 
 

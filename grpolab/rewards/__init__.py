@@ -1,14 +1,17 @@
 """Reward functions, looked up by spec.
 
-Contract (TRL's): fn(prompts, completions, **columns) -> list[float | None]; dataset
-columns arrive as keyword lists by name. None means "not applicable to this sample".
-Prompts are strings or chat message lists; completions are strings. Async functions
+Contract (TRL's, see `calling`): fn(prompts=..., completions=..., completion_ids=..., **columns)
+-> list[float | None], called by keyword; dataset columns arrive as lists by name. None means
+"not applicable to this sample". Completions are strings, or one-message assistant turns when
+the prompts are chat message lists; the built-in rewards accept both. Async functions
 (`async def`) are allowed; `combine.score` runs them concurrently.
 
 Spec forms accepted by `get_reward`:
   - a registered name (see REWARDS), e.g. 'math_accuracy'
   - 'rm:<local dir or hub id>': a sequence-classification reward model
-  - 'package.module:function' or 'path/to/file.py:function': a user function
+  - 'package.module:function' or 'path/to/file.py:function': a user function (TRL's convention),
+    optionally ending in a factory call with literal arguments: 'module:get_reward(max_len=64)'
+  - 'verl:<module or file.py>:function': a verl compute_score (see `verl_style`)
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 __all__ = ["REWARDS", "RewardError", "RewardFn", "UnknownRewardError", "get_reward", "make_length_reward",
-           "reward_name"]
+           "reward_name", "reward_names"]
 
 
 def get_reward(spec: str) -> RewardFn:
-    """The reward function for `spec`: a REWARDS name, 'rm:<model>', 'module:fn' or 'file.py:fn'.
+    """The reward function for `spec`: a REWARDS name, 'rm:<model>', 'module:fn', 'file.py:fn' or 'verl:...'.
 
     Loaded models and files are cached, so calling this every step is cheap.
     Raises UnknownRewardError (a RewardError and KeyError) for an unknown name and
@@ -49,23 +52,62 @@ def get_reward(spec: str) -> RewardFn:
     if spec.startswith("rm:"):
         from .model import reward_model
         return reward_model(spec[len("rm:"):])
+    if spec.startswith("verl:"):
+        from .verl_style import verl_reward
+        return verl_reward(spec)
     if ":" in spec:
-        from .custom import load_function
-        return load_function(spec)
+        from .custom import load_reward
+        return load_reward(spec)
     raise UnknownRewardError(
         f"unknown reward {spec!r}; known rewards: {', '.join(sorted(REWARDS))}; or give "
-        f"'package.module:function', 'path/to/file.py:function', or 'rm:<model dir or hub id>'")
+        f"'package.module:function', 'path/to/file.py:function', 'verl:path/to/file.py:compute_score' "
+        f"or 'rm:<model dir or hub id>'")
 
 
 def reward_name(spec: str) -> str:
-    """Short metric-friendly name: the registered name, the function of 'x:fn', or 'rm_<last path part>'."""
+    """Short metric-friendly name: the registered name, the function of 'x:fn' / 'x:fn(...)' /
+    'verl:x:fn', or 'rm_<last path part>'."""
     if spec in REWARDS:
         name = spec
     elif spec.startswith("rm:"):
         name = "rm_" + re.split(r"[/\\]", spec[len("rm:"):].rstrip("/\\"))[-1]
     elif ":" in spec:
-        name = spec.rpartition(":")[2]
+        name = _spec_parts(spec)[1]
     else:
         name = spec
     # metric keys are 'rewards/<name>/mean': keep them free of slashes and spaces
     return re.sub(r"[^\w.\-]", "_", name) or "reward"
+
+
+def _spec_parts(spec: str) -> tuple[str, str]:
+    """(module or file stem, function) of a 'x:fn', 'x:fn(...)' or 'verl:x:fn' spec."""
+    from .custom import parse_call
+    base = spec[len("verl:"):] if spec.startswith("verl:") else spec
+    try:
+        base = parse_call(base)[0]
+    except RewardError:
+        pass
+    target, _, fn = base.rpartition(":")
+    stem = re.split(r"[/\\]", target)[-1]
+    return (stem[:-3] if stem.endswith(".py") else stem.rpartition(".")[2]), fn
+
+
+def reward_names(specs: list[str]) -> dict[str, str]:
+    """{spec: metric name} with names made unique: two functions both called compute_score become
+    '<module or file>.compute_score'; names still equal get '_2', '_3', ... in order."""
+    names = {s: reward_name(s) for s in specs}
+    seen: dict[str, int] = {}
+    for s in specs:
+        seen[names[s]] = seen.get(names[s], 0) + 1
+    for s in specs:
+        if seen[names[s]] > 1 and ":" in s and not s.startswith("rm:"):
+            stem, fn = _spec_parts(s)
+            names[s] = re.sub(r"[^\w.\-]", "_", f"{stem}.{fn}")
+    out, used = {}, set()
+    for s in specs:
+        name, k = names[s], 2
+        while name in used:
+            name, k = f"{names[s]}_{k}", k + 1
+        out[s] = name
+        used.add(name)
+    return out

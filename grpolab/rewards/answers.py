@@ -20,6 +20,8 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
+from .calling import completion_texts
+
 _INT = r"[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+"
 # sign, an optional '$' after it, then an integer with a decimal part or '/denominator', or '.5'
 _NUMBER = re.compile(
@@ -137,7 +139,7 @@ def gsm8k_accuracy(prompts, completions, answer, **_) -> list[float]:
     """1.0 when the completion's answer (first number after its last '####') equals the
     reference read by `reference_answer`, exactly as Fractions; else 0.0."""
     out = []
-    for completion, ref in zip(completions, answer):
+    for completion, ref in zip(completion_texts(completions), answer):
         got, want = extract_hash_answer(completion), reference_answer(ref)
         out.append(1.0 if got is not None and want is not None and got == want else 0.0)
     return out

@@ -1,8 +1,15 @@
-"""User reward functions from a spec: 'package.module:function' or 'path/to/file.py:function'."""
+"""User reward functions from a spec: 'package.module:function' or 'path/to/file.py:function'.
+
+A spec may end in a call with literal arguments, 'module:factory(max_len=64, scale=0.5)': the
+factory is called once and the function it returns is the reward (as `reward_funcs=[factory(...)]`
+in TRL). `parse_call` splits such a spec; `verl_style` uses the arguments as verl's reward_kwargs.
+"""
 
 from __future__ import annotations
 
+import ast
 import functools
+import re
 import hashlib
 import importlib
 import importlib.util
@@ -28,13 +35,73 @@ def split_spec(spec: str) -> tuple[str, str]:
     return target, attr
 
 
+def parse_call(spec: str) -> tuple[str, tuple, dict]:
+    """(spec without the call, positional args, keyword args) of 'target:fn(...)'; a spec without a
+    call comes back as it is with no arguments. Arguments must be Python literals."""
+    if not spec.endswith(")"):
+        return spec, (), {}
+    # the call starts at the first ':name(' whose rest parses as one call expression
+    for m in re.finditer(r":([A-Za-z_]\w*)\(", spec):
+        try:
+            call = ast.parse(spec[m.start(1):], mode="eval").body
+        except SyntaxError:
+            continue
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+            continue
+        try:
+            if any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
+                raise ValueError("no * or ** unpacking")
+            args = tuple(ast.literal_eval(a) for a in call.args)
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        except ValueError as e:
+            raise RewardError(f"reward {spec!r}: the arguments must be Python literals (numbers, strings, lists, "
+                              f"dicts, True/False/None), as in 'module:factory(max_len=64)' ({e})") from None
+        return spec[:m.end(1)], args, kwargs
+    raise RewardError(f"reward {spec!r}: cannot read the call at the end; write 'module:function(key=value, ...)' "
+                      f"with literal values")
+
+
 def is_file_target(target: str) -> bool:
     """A file path rather than a dotted module name (ends in .py or contains a path separator)."""
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def resolved_key(spec: str) -> str:
+    """`spec` with a relative file path made absolute: the same file named from two directories is
+    one key, and two files of the same name in different directories are two."""
+    target, attr = split_spec(spec)
+    return f"{Path(target).expanduser().resolve()}:{attr}" if is_file_target(target) else spec
+
+
+# factory results by (resolved spec, call): one instance per run, so a stateful reward keeps its state
+_MADE: dict[tuple, Callable] = {}
+
+
+def load_reward(spec: str) -> Callable:
+    """The reward function of a TRL-convention spec: the named callable, or what the named factory
+    returns when the spec ends in a call (made once per process and spec)."""
+    base, args, kwargs = parse_call(spec)
+    fn = load_function(base)
+    if base == spec:
+        return fn
+    key = (resolved_key(base), spec[len(base):])
+    if key in _MADE:
+        return _MADE[key]
+    name = base.rpartition(":")[2]
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - one readable line
+        raise RewardError(f"reward {spec!r}: calling {name}(...) raised {_one_line(e)}; check its arguments") from e
+    if not callable(out):
+        raise RewardError(f"reward {spec!r}: {name}(...) returned a {type(out).__name__}, not a function; a call "
+                          f"in a spec must return the reward function (a factory such as TRL's get_*_reward)")
+    _MADE[key] = out
+    return out
+
+
 def load_function(spec: str) -> Callable:
-    """The callable named by `spec`; relative file paths resolve against the current directory.
+    """The callable named by `spec` ('module:fn' or 'file.py:fn', no call); relative file paths
+    resolve against the current directory.
 
     Raises RewardError with a one-line message naming the spec and the fix.
     """

@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 
 from .answers import extract_hash_answer
+from .calling import completion_texts
 
 
 def answer_format(prompts, completions, **_) -> list[float]:
     """1.0 when gsm8k_accuracy's reader finds an answer, else 0.0: a number on the line after
     the last '####' (which may stand mid-line). So gsm8k_accuracy 1 implies format 1."""
-    return [1.0 if extract_hash_answer(c) is not None else 0.0 for c in completions]
+    return [1.0 if extract_hash_answer(c) is not None else 0.0 for c in completion_texts(completions)]
 
 
 # DeepSeek-R1-Zero's template: '<think> ... </think> <answer> ... </answer>' and nothing else
@@ -25,4 +26,4 @@ def think_format(prompts, completions, **_) -> list[float]:
     (so a nested or repeated tag inside the think/answer text fails).
     """
     return [1.0 if _THINK_ANSWER.fullmatch(c) and all(c.count(t) == 1 for t in _TAGS) else 0.0
-            for c in completions]
+            for c in completion_texts(completions)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .calling import completion_texts
+
 DEFAULT_TARGET = 50
 
 
@@ -14,6 +16,7 @@ def length(prompts, completions, target_length: int = DEFAULT_TARGET, **_) -> li
     `target_length` can come from a dataset column of that name (TRL passes columns as
     per-sample lists), from a keyword, or from `make_length_reward`.
     """
+    completions = completion_texts(completions)
     targets = target_length if isinstance(target_length, (list, tuple)) else [target_length] * len(completions)
     out = []
     for c, t in zip(completions, targets):

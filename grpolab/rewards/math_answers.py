@@ -18,6 +18,7 @@ from decimal import Decimal
 from fractions import Fraction
 
 from .answers import final_answer_text, plain_hash_answer, plain_number, reference_answer
+from .calling import completion_texts
 
 # math-verify times out with signal.alarm: whole seconds, main thread only
 TIMEOUT_S = 5
@@ -114,7 +115,7 @@ def math_accuracy(prompts, completions, answer, **_) -> list[float | None]:
     None (not applicable) for a sample whose reference answer cannot be parsed.
     """
     out: list[float | None] = []
-    for completion, ref in zip(completions, answer):
+    for completion, ref in zip(completion_texts(completions), answer):
         ok = is_correct(completion, ref)
         out.append(None if ok is None else float(ok))
     return out

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..utils.padding import pad_sequences
+from .calling import completion_texts
 from .errors import RewardError
 
 PREFIX = "rm:"
@@ -93,6 +94,7 @@ def _reward_fn(key: str, batch_size: int, device: str | None) -> Callable[..., l
     model, tok = load_reward_model(key, device)
 
     def rm_reward(prompts, completions, **_) -> list[float]:
+        completions = completion_texts(completions)
         prompts = prompts if prompts is not None else [None] * len(completions)
         return score_texts(model, tok, [rm_input(tok, p, c) for p, c in zip(prompts, completions)], batch_size)
 

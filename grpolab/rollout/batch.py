@@ -18,12 +18,20 @@ class RolloutBatch:
     """
     gen: Generation                       # padded prompt/completion ids, masks, sampler log-probs, truncated
     group_ids: torch.Tensor               # (B,) long
-    prompts: list[str]                    # (B,) prompt text per row
+    prompts: list                         # (B,) prompt per row: text or chat messages
     completions: list[str]                # (B,) decoded completion per row (special tokens dropped)
     columns: dict[str, list]              # dataset columns per row (e.g. 'answer'), passed to rewards
     rewards: torch.Tensor | None = None   # (B,) weighted total
     reward_columns: dict[str, torch.Tensor] = field(default_factory=dict)  # per function, NaN = not applicable
     advantages: torch.Tensor | None = None  # (B,)
+    logged: dict[str, list] = field(default_factory=dict)  # (B,) per column that reward functions logged
+    #                                       ('<reward>/<column>': log_extra columns and dict returns' extra keys)
+    score_keys: list[str] = field(default_factory=list)    # the `logged` columns from dict returns (-> metrics)
+
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's sampled token ids, stop token included, no padding (TRL's completion_ids)."""
+        g = self.gen
+        return [ids[m].tolist() for ids, m in zip(g.completion_ids.cpu(), g.completion_mask.cpu())]
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -43,7 +51,8 @@ class RolloutBatch:
                             completions=pick(self.completions), columns={k: pick(v) for k, v in self.columns.items()},
                             rewards=None if self.rewards is None else self.rewards[idx],
                             reward_columns={k: v[idx] for k, v in self.reward_columns.items()},
-                            advantages=None if self.advantages is None else self.advantages[idx])
+                            advantages=None if self.advantages is None else self.advantages[idx],
+                            logged={k: pick(v) for k, v in self.logged.items()}, score_keys=list(self.score_keys))
 
 
 def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -68,10 +77,14 @@ def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             group_ids.append(inv + offset)
             offset += int(inv.max()) + 1
     cat_opt = lambda xs: None if any(x is None for x in xs) else torch.cat(xs)  # noqa: E731
+    logged_keys = list(dict.fromkeys(k for b in batches for k in b.logged))
     return RolloutBatch(
         gen=gen, group_ids=torch.cat(group_ids) if group_ids else torch.zeros(0, dtype=torch.long),
         prompts=[p for b in batches for p in b.prompts], completions=[c for b in batches for c in b.completions],
         columns={k: [v for b in batches for v in b.columns[k]] for k in batches[0].columns},
         rewards=cat_opt([b.rewards for b in batches]),
         reward_columns={k: torch.cat([b.reward_columns[k] for b in batches]) for k in batches[0].reward_columns},
-        advantages=cat_opt([b.advantages for b in batches]))
+        advantages=cat_opt([b.advantages for b in batches]),
+        # a column one round logged and another did not is None for the other round's samples
+        logged={k: [v for b in batches for v in b.logged.get(k, [None] * len(b))] for k in logged_keys},
+        score_keys=list(dict.fromkeys(k for b in batches for k in b.score_keys)))

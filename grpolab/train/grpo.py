@@ -31,8 +31,8 @@ from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
 from ..algorithms.losses import compute_policy_loss
 from ..config import Config
 from ..eval import evaluate
-from ..rewards import reward_name
-from ..rewards.combine import score
+from ..rewards import reward_name, reward_names
+from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import NonFiniteLogits, generate
 from ..logging.trackers import Trackers
@@ -98,6 +98,9 @@ class GRPOTrainer:
         self.step = 0
         self.bad_steps = 0
         self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
+        self.reward_names = reward_names(cfg.reward.functions)   # spec -> metric name, unique
+        self.logged_metrics: dict[str, list[float]] = {}          # reward functions' log_metric values, this step
+        check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
 
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
@@ -121,16 +124,27 @@ class GRPOTrainer:
             prompts=[x["prompt"] for x in rows for _ in range(G)], completions=completions,
             columns={k: [x[k] for x in rows for _ in range(G)] for k in keys})
 
-    def score(self, batch: RolloutBatch) -> None:
-        """Reward functions (weighted total), plus DAPO's overlong shaping when configured."""
+    def trainer_state(self) -> TrainerState:
+        """What reward functions get as `trainer_state` (TRL passes transformers' TrainerState)."""
+        s = self.sampler
+        return TrainerState(global_step=self.step, max_steps=self.cfg.train.max_steps,
+                            epoch=s.epoch + s.index / max(1, len(s.rows)))
+
+    def score(self, batch: RolloutBatch) -> dict[str, list[float]]:
+        """Reward functions (weighted total), plus DAPO's overlong shaping when configured.
+        Returns the scalars the functions logged with log_metric."""
         w, a = self.cfg.reward, self.cfg.algorithm
+        log = RewardLog(len(batch))
         batch.rewards, batch.reward_columns = score(w.functions, w.weights, batch.prompts, batch.completions,
-                                                    batch.columns)
+                                                    batch.columns, completion_ids=batch.completion_id_lists(),
+                                                    trainer_state=self.trainer_state(), log=log)
+        batch.logged, batch.score_keys = log.columns, log.score_keys
         if a.overlong_buffer:
             pen = overlong_penalty(batch.gen.completion_mask.sum(-1).cpu(), self.cfg.rollout.max_new_tokens,
                                    a.overlong_buffer, a.overlong_penalty)
             batch.reward_columns["overlong"] = pen
             batch.rewards = batch.rewards + pen
+        return log.metrics
 
     def collect(self) -> tuple[RolloutBatch, dict]:
         """Sample and score one step's batch. With dynamic sampling (DAPO), groups whose rewards
@@ -138,13 +152,15 @@ class GRPOTrainer:
         rounds; the batch is then cut to rollout.prompts_per_step groups."""
         a, P = self.cfg.algorithm, self.cfg.rollout.prompts_per_step
         stats = {"time/generate": 0.0, "time/reward": 0.0}
+        self.logged_metrics = {}
         kept: list[RolloutBatch] = []
         n_groups, first = 0, None
         for rnd in range(1, a.max_sampling_rounds + 1):
             t0 = time.perf_counter()
             batch = self.rollout()
             t1 = time.perf_counter()
-            self.score(batch)
+            for k, v in self.score(batch).items():
+                self.logged_metrics.setdefault(k, []).extend(v)
             stats["time/generate"] += t1 - t0
             stats["time/reward"] += time.perf_counter() - t1
             first = first or batch
@@ -308,10 +324,14 @@ class GRPOTrainer:
         metrics = {"step": self.step, "reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
                    "frac_reward_zero_std": stats["frac_reward_zero_std"]}
         for spec, col in batch.reward_columns.items():
-            name = reward_name(spec)
+            name = self.reward_names.get(spec) or reward_name(spec)
             valid = col[~torch.isnan(col)]
             metrics[f"rewards/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
             metrics[f"rewards/{name}/std"] = float(valid.std()) if len(valid) > 1 else 0.0
+        for key in batch.score_keys:   # extra keys of dict returns (verl's reward_extra_info), mean over samples
+            mean = number_mean(batch.logged[key])
+            if mean is not None:
+                metrics[f"rewards/{key}"] = mean
         metrics.update(upd)
         metrics.update(kl_metrics)
         metrics.update({k: v for k, v in stats.items() if k.startswith("dynamic_sampling/")})
@@ -325,6 +345,8 @@ class GRPOTrainer:
         metrics["perf/gen_tokens_per_sec"] = gen_tokens / max(stats["time/generate"], 1e-9)
         trained = float(batch.gen.completion_mask.sum()) * self.cfg.algorithm.num_iterations
         metrics["perf/train_tokens_per_sec"] = trained / max(t3 - t2, 1e-9)
+        for k, v in self.logged_metrics.items():   # reward functions' log_metric scalars; built-in keys win
+            metrics.setdefault(k, sum(v) / len(v))
         self.last_batch = batch
         return metrics
 
@@ -370,7 +392,7 @@ class GRPOTrainer:
         """Append the last batch's first log.samples_per_step completions to samples.jsonl."""
         b = self.last_batch
         n = min(self.cfg.log.samples_per_step, len(b))
-        names = {spec: reward_name(spec) for spec in b.reward_columns}
+        names = {spec: self.reward_names.get(spec) or reward_name(spec) for spec in b.reward_columns}
         records = []
         for i in range(n):
             rewards = {}
@@ -380,9 +402,11 @@ class GRPOTrainer:
             records.append({"step": self.step, "prompt": b.prompts[i], "completion": b.completions[i],
                             "reward": float(b.rewards[i]), "rewards": rewards,
                             "advantage": float(b.advantages[i])})
+            if b.logged:   # what reward functions logged for this sample (log_extra, dict returns)
+                records[-1]["logged"] = {k: v[i] for k, v in b.logged.items()}
         with open(self.run_dir / "samples.jsonl", "a") as f:
             for r in records:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps(r, default=repr) + "\n")
         if self.console is not None:
             self.console.samples(self.step, records)
 

@@ -400,3 +400,51 @@ def test_readme_trl_and_verl_example_trains(tmp_path, gsm8k_dir):
     want = sum(w * b.reward_columns[s].nan_to_num(0.0) for w, s in zip(ex["reward"]["weights"], specs))
     assert b.rewards.tolist() == pytest.approx(want.tolist(), abs=1e-6)
     assert all(f"rewards/{names[s]}/mean" in m for s in specs)
+
+
+def test_columns_trl_does_not_pass_are_not_passed(monkeypatch):
+    from grpolab import rewards
+    seen = {}
+    monkeypatch.setitem(rewards.REWARDS, "spy", lambda completions, **kw: seen.update(kw) or [0.0])
+    score(["spy"], None, ["q"], ["sampled"], {"prompt": ["q"], "completion": ["reference"], "answer": ["1"],
+                                              "completion_ids": [[7]]})
+    assert "prompt" not in seen and "completion" not in seen and seen["answer"] == ["1"]
+    assert seen["completion_ids"] == [[]]     # grpolab's (none given here), not the dataset's column
+
+
+def test_reward_spec_mistakes_are_config_errors():
+    from grpolab.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"reward.functions: reward 'm:f\(x=open\)': the arguments must be "
+                                          r"Python literals"):
+        load_config(None, ['reward.functions=["m:f(x=open)"]'])
+    with pytest.raises(ConfigError, match=r"reward.functions: a reward is listed twice"):
+        load_config(None, ["reward.functions=[format, format]"])
+    # the README's quoting: a spec with commas inside one quoted list item stays one spec
+    cfg = load_config(None, ['reward.functions=["trl.rewards:get_repetition_penalty_reward(ngram_size=3, '
+                             'max_penalty=-1.0)"]'])
+    assert cfg.reward.functions == ["trl.rewards:get_repetition_penalty_reward(ngram_size=3, max_penalty=-1.0)"]
+
+
+ECHO = """
+calls = []
+
+def echo(completions, log_extra, **kwargs):
+    calls.append(len(completions))
+    log_extra("text", list(completions))
+    # first round: only the first group (4 completions) varies, so dynamic sampling keeps one group and
+    # samples again; later rounds: every group varies
+    return [float(sum(map(ord, c)) % 7) if len(calls) > 1 or i < 4 else 0.0 for i, c in enumerate(completions)]
+"""
+
+
+def test_logged_columns_stay_aligned_through_dynamic_sampling(tmp_path):
+    (tmp_path / "echo.py").write_text(ECHO)
+    spec = f"{tmp_path / 'echo.py'}:echo"
+    tr = make_trainer(tmp_path, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3",
+                      "rollout.prompts_per_step=3", f"reward.functions=[{spec}]")
+    assert tr.cfg.rollout.num_generations == 4
+    batch, stats = tr.collect()
+    assert stats["dynamic_sampling/rounds"] == 2 and len(batch) == 3 * 4
+    # rows were filtered and concatenated across rounds: each logged value is still its own completion's
+    assert batch.logged["echo/text"] == batch.completions
+    assert batch.reward_columns[spec].tolist() == [float(sum(map(ord, c)) % 7) for c in batch.completions]

@@ -3,7 +3,8 @@
 For one batch of B completions grpolab calls every reward function as TRL's GRPOTrainer does:
 
     fn(prompts=[...B], completions=[...B], completion_ids=[...B], trainer_state=TrainerState(...),
-       log_extra=callable, log_metric=callable, **columns)   # every dataset column but 'prompt', by name
+       log_extra=callable, log_metric=callable, **columns)   # dataset columns by name, as TRL passes them
+                                                             # (all but prompt, completion, completion_ids)
 
 - `completions` are strings for plain-text prompts; for conversational prompts (message lists)
   each is one assistant message, `[{"role": "assistant", "content": text}]`, as TRL passes them.

@@ -114,8 +114,12 @@ def number_mean(values: list) -> float | None:
     return sum(nums) / len(nums) if nums else None
 
 
+# dataset columns TRL does not pass to reward functions (the completion is the sampled one)
+NOT_PASSED = ("prompt", "completion", "completion_ids")
+
+
 def _check_columns(column_names) -> None:
-    clash = [c for c in column_names if c in CALL_ARGS]
+    clash = [c for c in column_names if c in CALL_ARGS and c not in NOT_PASSED]
     if clash:
         raise RewardError(f"dataset column {clash[0]!r} has the name of an argument grpolab passes to reward "
                           f"functions ({', '.join(CALL_ARGS)}); rename the column")
@@ -127,7 +131,7 @@ def check_signatures(names: list[str], column_names: list[str]) -> None:
     _check_columns(column_names)
     for name in names:
         fn = get_reward(name)
-        bind_keywords(fn, name, dict.fromkeys([*CALL_ARGS, *(c for c in column_names if c != "prompt")]),
+        bind_keywords(fn, name, dict.fromkeys([*CALL_ARGS, *(c for c in column_names if c not in NOT_PASSED)]),
                       verl_hint(fn))
 
 
@@ -153,7 +157,8 @@ def score(names: list[str], weights: list[float] | None, prompts: list, completi
     fns = [get_reward(name) for name in names]
     _check_columns(columns)
     # copies: a function that edits a prompt or a column in place must not edit the dataset's rows
-    prompts, columns = copy.deepcopy(prompts), copy.deepcopy({k: v for k, v in columns.items() if k != "prompt"})
+    prompts, columns = copy.deepcopy(prompts), copy.deepcopy({k: v for k, v in columns.items()
+                                                              if k not in NOT_PASSED})
     base = {"prompts": prompts, "completions": as_completions(prompts, completions),
             "completion_ids": completion_ids if completion_ids is not None else [[] for _ in range(n)],
             "trainer_state": trainer_state if trainer_state is not None else TrainerState()}

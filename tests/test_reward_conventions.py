@@ -126,8 +126,9 @@ def test_trl_rewards_in_a_real_training_step(tmp_path, system_prompt):
         _same(b.reward_columns[spec].tolist(), want)
         short = reward_names(specs)[spec]
         valid = [w for w in want if not math.isnan(w)]
-        if valid:
-            assert history[-1][f"rewards/{short}/mean"] == pytest.approx(sum(valid) / len(valid), abs=1e-6)
+        assert valid    # every solution parses, so no function is 'not applicable' everywhere
+        assert history[-1][f"rewards/{short}/mean"] == pytest.approx(sum(valid) / len(valid), abs=1e-6)
+        assert bool(logged) == (name in ("accuracy_reward", "reasoning_accuracy_reward"))
         for col, vals in logged.items():   # log_extra columns reach samples.jsonl, one value per sample
             assert b.logged[f"{short}/{col}"] == vals
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
@@ -139,6 +140,7 @@ PROGRESS = """
 def progress(completions, completion_ids, trainer_state, log_metric, **kwargs):
     log_metric("progress/batch_size", len(completions))
     log_metric("reward", -1000.0)      # a built-in metric's name: the built-in value is kept
+    log_metric("progress/epoch", trainer_state.epoch)
     return [trainer_state.global_step / trainer_state.max_steps + len(ids) for ids in completion_ids]
 """
 
@@ -153,6 +155,8 @@ def test_trainer_state_completion_ids_and_log_metric(tmp_path):
         assert m["rewards/progress/mean"] == pytest.approx(step / 2 + m["completions/mean_length"], abs=1e-5)
         assert m["progress/batch_size"] == B
         assert m["reward"] == pytest.approx(m["rewards/progress/mean"], abs=1e-5)   # the only reward, weight 1
+        # passes over the train prompts before this step: 2 prompts per step out of the rows kept
+        assert m["progress/epoch"] == pytest.approx(step * 2 / len(tr.sampler.rows))
     assert len({m["rewards/progress/mean"] - m["completions/mean_length"] for m in history}) == 2
 
 
@@ -249,7 +253,7 @@ def test_reward_names_stay_unique():
                                            "soft_punish_cache=2)", "format"]
     assert reward_names(specs) == {
         specs[0]: "gsm8k.compute_score", specs[1]: "math_reward.compute_score", specs[2]: "m.g", specs[3]: "m.g_2",
-        specs[4]: "get_soft_overlong_punishment", specs[5]: "format"}
+        specs[4]: "soft_overlong_punishment_reward", specs[5]: "format"}   # TRL's name: the made function's
 
 
 # ---- verl ----------------------------------------------------------------------------------------
@@ -315,7 +319,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     calls.append(extra_info)
     extra_info["seen"] = True          # verl hands each call its own dict
     return {"score": len(solution_str) / 10, "length": len(solution_str),
-            "right_source": data_source == "openai/gsm8k", "has_truth": ground_truth is not None, "note": "n"}
+            "right_source": data_source == "openai/gsm8k", "has_truth": ground_truth is not None, "note": "n",
+            "verl_keys": "num_turns" in extra_info and extra_info["rollout_reward_scores"] == {}, "mean": -5.0}
 
 def batch_score(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
     return [len(s) / 10 + bonus for s in solution_strs]
@@ -341,11 +346,20 @@ def test_verl_custom_dict_batch_and_async_in_a_training_step(tmp_path, gsm8k_dir
     # the dict's other numeric keys are logged as rewards/<name>/<key>, means over the samples
     assert m["rewards/compute_score/length"] == pytest.approx(sum(lengths) / len(lengths))
     assert m["rewards/compute_score/right_source"] == 1.0 and m["rewards/compute_score/has_truth"] == 1.0
+    assert m["rewards/compute_score/verl_keys"] == 1.0
+    # an extra key named 'mean' does not overwrite the reward's own mean
+    assert m["rewards/compute_score/mean"] == pytest.approx(sum(lengths) / len(lengths) / 10, abs=1e-6)
     assert "rewards/compute_score/note" not in m
     first = json.loads(open(tmp_path / "samples.jsonl").readline())
     assert first["logged"]["compute_score/note"] == "n" and first["logged"]["compute_score/length"] == lengths[0]
-    # dataset rows are not edited by the function writing into extra_info
-    assert all("seen" not in r.get("extra_info", {}) for r in tr.sampler.rows)
+    # rows that carry extra_info: the function writing into it edits neither the rows nor another call's dict
+    infos = [{"index": 0}, {"index": 1}]
+    import importlib
+    mod = importlib.import_module(get_reward(specs[0]).verl_function.__module__)
+    mod.calls.clear()
+    score([specs[0]], None, ["q", "q"], ["a", "b"], {"answer": ["1", "2"], "extra_info": infos})
+    assert infos == [{"index": 0}, {"index": 1}]
+    assert [c["index"] for c in mod.calls] == [0, 1] and mod.calls[0] is not mod.calls[1]
 
 
 def test_verl_dict_without_score_is_one_line(tmp_path):
@@ -397,9 +411,21 @@ def test_readme_trl_and_verl_example_trains(tmp_path, gsm8k_dir):
     b = tr.last_batch
     assert isinstance(b.prompts[0], list)       # chat prompts, so TRL's functions get messages
     names = reward_names(specs)
-    want = sum(w * b.reward_columns[s].nan_to_num(0.0) for w, s in zip(ex["reward"]["weights"], specs))
-    assert b.rewards.tolist() == pytest.approx(want.tolist(), abs=1e-6)
-    assert all(f"rewards/{names[s]}/mean" in m for s in specs)
+    gsm8k = _verl("gsm8k")
+    ids = b.completion_id_lists()
+    for spec in specs:
+        if spec.startswith("verl:"):
+            want = [float(gsm8k.compute_score(c, a)) for c, a in zip(b.completions, b.columns["answer"])]
+        else:
+            name = next(n for n, (s, _) in TRL_SPECS.items() if s.split("(")[0] == spec.split("(")[0])
+            assert spec == TRL_SPECS[name][0] or name == "get_soft_overlong_punishment"
+            fn = _trl_function(name) if spec == TRL_SPECS[name][0] else \
+                trl_rewards.get_soft_overlong_punishment(max_completion_len=64, soft_punish_cache=16)
+            msgs = [[{"role": "assistant", "content": c}] for c in b.completions]
+            want = [math.nan if v is None else float(v) for v in
+                    fn(prompts=b.prompts, completions=msgs, completion_ids=ids, **b.columns)]
+        _same(b.reward_columns[spec].tolist(), want)
+        assert f"rewards/{names[spec]}/mean" in m
 
 
 def test_columns_trl_does_not_pass_are_not_passed(monkeypatch):
@@ -448,3 +474,68 @@ def test_logged_columns_stay_aligned_through_dynamic_sampling(tmp_path):
     # rows were filtered and concatenated across rounds: each logged value is still its own completion's
     assert batch.logged["echo/text"] == batch.completions
     assert batch.reward_columns[spec].tolist() == [float(sum(map(ord, c)) % 7) for c in batch.completions]
+
+
+UNSCORED = """
+def sometimes(completions, **kwargs):
+    # None ('not applicable') for completions of even length: those rows are scored by no function
+    return [None if len(c) % 2 == 0 else float(len(c) % 5) for c in completions]
+"""
+
+
+def test_rows_no_function_scored_are_out_of_the_baseline(tmp_path):
+    (tmp_path / "s.py").write_text(UNSCORED)
+    tr = make_trainer(tmp_path, "rollout.prompts_per_step=4", f"reward.functions=[{tmp_path / 's.py'}:sometimes]")
+    batch, _ = tr.collect()
+    tr.advantages(batch, None)
+    ok = [len(c) % 2 == 1 for c in batch.completions]
+    assert 0 < sum(ok) < len(ok) and batch.scorable.tolist() == ok
+    eps = tr.cfg.algorithm.adv_eps
+    for g in batch.group_ids.unique().tolist():
+        rows = [i for i in range(len(batch)) if batch.group_ids[i] == g]
+        vals = [float(len(batch.completions[i]) % 5) for i in rows if ok[i]]
+        mean = sum(vals) / len(vals) if vals else 0.0
+        std = (sum((v - mean) ** 2 for v in vals) / len(vals)) ** 0.5 if vals else 0.0
+        for i in rows:   # TRL's rule: unscorable rows get 0; the others are z-scored among the scorable
+            want = 0.0 if not ok[i] or len(vals) < 2 or std == 0 else \
+                (len(batch.completions[i]) % 5 - mean) / (std + eps)
+            assert float(batch.advantages[i]) == pytest.approx(want, abs=1e-5), (g, i)
+
+
+ASYNC_LOCKED = """
+import asyncio
+lock = None
+
+async def locked(completions, **kwargs):
+    global lock
+    lock = lock or asyncio.Lock()      # bound to the loop of the first call, as a client or semaphore would be
+    async with lock:
+        await asyncio.sleep(0)
+    return [1.0] * len(completions)
+"""
+
+
+def test_async_reward_state_survives_across_steps(tmp_path):
+    (tmp_path / "a.py").write_text(ASYNC_LOCKED)
+    for _ in range(3):
+        _, per = score([f"{tmp_path}/a.py:locked"], None, ["q"], ["x"], {})
+        assert per[f"{tmp_path}/a.py:locked"].tolist() == [1.0]
+
+
+def test_tensor_and_numpy_returns_are_taken_as_trl_takes_them(monkeypatch):
+    import numpy as np
+    from grpolab import rewards
+    monkeypatch.setitem(rewards.REWARDS, "t", lambda completions, **kw: torch.tensor([1.5, 2.0]))
+    monkeypatch.setitem(rewards.REWARDS, "n", lambda completions, **kw: np.array([0.5, 1.0]))
+    monkeypatch.setitem(rewards.REWARDS, "s", lambda completions, log_metric, **kw:
+                        log_metric("m", torch.tensor(3.0)) or [np.float32(0.25), torch.tensor(1.0)])
+    log = RewardLog(2)
+    _, per = score(["t", "n", "s"], None, ["a", "b"], ["x", "y"], {}, log=log)
+    assert [per[k].tolist() for k in "tns"] == [[1.5, 2.0], [0.5, 1.0], [0.25, 1.0]]
+    assert log.mean_metrics() == {"m": 3.0}
+
+
+def test_misspelt_verl_reward_kwargs_are_an_error():
+    _verl("gsm8k")
+    with pytest.raises(RewardError, match=r"compute_score takes no argument 'format_scor'; check the spelling"):
+        get_reward("verl:verl.utils.reward_score.gsm8k:compute_score(format_scor=0.5)")

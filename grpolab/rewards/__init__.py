@@ -65,14 +65,20 @@ def get_reward(spec: str) -> RewardFn:
 
 
 def reward_name(spec: str) -> str:
-    """Short metric-friendly name: the registered name, the function of 'x:fn' / 'x:fn(...)' /
-    'verl:x:fn', or 'rm_<last path part>'."""
+    """Short metric-friendly name: the registered name, the function of 'x:fn' or 'verl:x:fn', the
+    __name__ of the function a factory spec 'x:factory(...)' makes (TRL's metric name; the factory's
+    name when it cannot be made), or 'rm_<last path part>'."""
     if spec in REWARDS:
         name = spec
     elif spec.startswith("rm:"):
         name = "rm_" + re.split(r"[/\\]", spec[len("rm:"):].rstrip("/\\"))[-1]
     elif ":" in spec:
         name = _spec_parts(spec)[1]
+        if spec.endswith(")") and not spec.startswith("verl:"):
+            try:
+                name = getattr(get_reward(spec), "__name__", name)
+            except RewardError:
+                pass
     else:
         name = spec
     # metric keys are 'rewards/<name>/mean': keep them free of slashes and spaces

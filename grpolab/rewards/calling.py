@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -59,10 +58,14 @@ class RewardLog:
             self.columns[f"{reward}/{column}"] = values
 
         def log_metric(name: str, value: float) -> None:
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            try:
+                x = float(value)      # numbers, numpy scalars, one-element tensors
+            except (TypeError, ValueError, RuntimeError):
+                x = math.nan
+            if not math.isfinite(x):
                 raise RewardError(f"reward function {reward!r}: log_metric({name!r}) got {value!r}; "
                                   f"log a finite number")
-            self.metrics[str(name)].append(float(value))
+            self.metrics[str(name)].append(x)
         return log_extra, log_metric
 
     def mean_metrics(self) -> dict[str, float]:

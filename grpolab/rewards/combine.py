@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import inspect
 import math
 import numbers
+import threading
 
 import torch
 
@@ -28,17 +28,28 @@ async def _gather(calls: list):
     return await asyncio.gather(*(fn(*args, **kwargs) for fn, args, kwargs in calls), return_exceptions=True)
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for the process, run by a daemon thread (as TRL does): an async reward that keeps
+    a client, semaphore or lock bound to its loop works on every step, and a caller already inside an
+    event loop (a notebook) is not in the way."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="grpolab-async-rewards", daemon=True).start()
+            _LOOP = loop
+    return _LOOP
+
+
 def _run_async(calls: list) -> list:
     """Results (or exceptions) of the coroutine functions in `calls`, run concurrently in one event loop."""
     if not calls:
         return []
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(_gather(calls))
-    # already inside an event loop (e.g. a notebook): asyncio.run would refuse, so use a fresh thread
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, _gather(calls)).result()
+    return asyncio.run_coroutine_threadsafe(_gather(calls), _event_loop()).result()
 
 
 def _call(fn, kwargs: dict):
@@ -71,7 +82,13 @@ def _failing_sample(fn, kwargs: dict, texts: list[str]) -> str:
 
 
 def _number(v) -> float | None:
-    """float(v) for a finite real number (bools and numpy scalars included, as TRL's torch.tensor takes them)."""
+    """float(v) for a finite real number: bools, numpy scalars and one-element tensors included, as
+    TRL's torch.tensor(values) takes them; None for anything else."""
+    if not isinstance(v, numbers.Real) and hasattr(v, "item"):
+        try:
+            v = v.item()      # numpy scalar / 0-d array, torch 0-d tensor
+        except (TypeError, ValueError, RuntimeError):
+            return None
     if isinstance(v, numbers.Real) and math.isfinite(v):
         return float(v)
     return None
@@ -83,6 +100,8 @@ def _column(name: str, values, n: int) -> tuple[torch.Tensor, dict[str, list]]:
     A value is a number, None, or a dict with a 'score' number (verl's form; its other keys are
     extras, None where a sample lacks one). RewardError on a wrong count or a bad value.
     """
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()    # a numpy array or a tensor, as TRL's torch.tensor(values) takes it
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise RewardError(f"reward function {name!r} returned {got} values for {n} completions; "

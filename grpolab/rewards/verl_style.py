@@ -48,8 +48,10 @@ def _inputs(n: int, data_source, reward_model, answer, extra_info) -> list[list]
     answers = answer if answer is not None else [None] * n
     truths = [rm["ground_truth"] if isinstance(rm, dict) and "ground_truth" in rm else a
               for rm, a in zip(rms, answers)]
-    # a fresh dict per call, as verl builds one per sample: a function that edits it changes nothing else
-    infos = [dict(x) if isinstance(x, dict) else {} for x in (extra_info if extra_info is not None else [None] * n)]
+    # a fresh dict per call, as verl builds one per sample, with the two keys verl's reward managers add
+    # (single-turn rollouts: no turn count, no rollout-time scores)
+    infos = [{**(x if isinstance(x, dict) else {}), "num_turns": None, "rollout_reward_scores": {}}
+             for x in (extra_info if extra_info is not None else [None] * n)]
     return [sources, truths, infos]
 
 
@@ -70,6 +72,10 @@ def verl_reward(spec: str) -> Callable:
     # checked once here (no columns needed): a function that cannot take verl's arguments fails at load
     bind_keywords(fn, spec, {**dict.fromkeys(names), **reward_kwargs},
                   hint=f"; grpolab passes verl's {'batch' if batch else 'per-sample'} arguments")
+    unknown = [k for k in reward_kwargs if k not in bind_keywords(fn, spec, {**dict.fromkeys(names), **reward_kwargs})]
+    if unknown:   # verl would raise a TypeError: a misspelt keyword must not be dropped silently
+        raise RewardError(f"reward {spec!r}: {getattr(fn, '__name__', 'the function')} takes no argument "
+                          f"{unknown[0]!r}; check the spelling of the keywords in the spec")
 
     def call_args(values: list) -> dict:
         return bind_keywords(fn, spec, {**dict(zip(names, values)), **reward_kwargs})

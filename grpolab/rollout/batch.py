@@ -27,6 +27,8 @@ class RolloutBatch:
     logged: dict[str, list] = field(default_factory=dict)  # (B,) per column that reward functions logged
     #                                       ('<reward>/<column>': log_extra columns and dict returns' extra keys)
     score_keys: list[str] = field(default_factory=list)    # the `logged` columns from dict returns (-> metrics)
+    scorable: torch.Tensor | None = None  # (B,) bool: some reward function scored the row (not all None); TRL
+    #                                       leaves the others out of the group baseline and gives them advantage 0
 
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's sampled token ids, stop token included, no padding (TRL's completion_ids)."""
@@ -52,7 +54,8 @@ class RolloutBatch:
                             rewards=None if self.rewards is None else self.rewards[idx],
                             reward_columns={k: v[idx] for k, v in self.reward_columns.items()},
                             advantages=None if self.advantages is None else self.advantages[idx],
-                            logged={k: pick(v) for k, v in self.logged.items()}, score_keys=list(self.score_keys))
+                            logged={k: pick(v) for k, v in self.logged.items()}, score_keys=list(self.score_keys),
+                            scorable=None if self.scorable is None else self.scorable[idx])
 
 
 def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -87,4 +90,5 @@ def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         advantages=cat_opt([b.advantages for b in batches]),
         # a column one round logged and another did not is None for the other round's samples
         logged={k: [v for b in batches for v in b.logged.get(k, [None] * len(b))] for k in logged_keys},
-        score_keys=list(dict.fromkeys(k for b in batches for k in b.score_keys)))
+        score_keys=list(dict.fromkeys(k for b in batches for k in b.score_keys)),
+        scorable=cat_opt([b.scorable for b in batches]))

@@ -100,6 +100,7 @@ class GRPOTrainer:
         self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
         self.reward_names = reward_names(cfg.reward.functions)   # spec -> metric name, unique
         self.logged_metrics: dict[str, list[float]] = {}          # reward functions' log_metric values, this step
+        self.epoch_at_step = 0.0
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
 
     # ------------------------------------------------------------ one step, as data
@@ -125,10 +126,9 @@ class GRPOTrainer:
             columns={k: [x[k] for x in rows for _ in range(G)] for k in keys})
 
     def trainer_state(self) -> TrainerState:
-        """What reward functions get as `trainer_state` (TRL passes transformers' TrainerState)."""
-        s = self.sampler
-        return TrainerState(global_step=self.step, max_steps=self.cfg.train.max_steps,
-                            epoch=s.epoch + s.index / max(1, len(s.rows)))
+        """What reward functions get as `trainer_state` (TRL passes transformers' TrainerState): the
+        epoch is the train prompts' passes before this step, as transformers' state reads mid-step."""
+        return TrainerState(global_step=self.step, max_steps=self.cfg.train.max_steps, epoch=self.epoch_at_step)
 
     def score(self, batch: RolloutBatch) -> dict[str, list[float]]:
         """Reward functions (weighted total), plus DAPO's overlong shaping when configured.
@@ -139,6 +139,7 @@ class GRPOTrainer:
                                                     batch.columns, completion_ids=batch.completion_id_lists(),
                                                     trainer_state=self.trainer_state(), log=log)
         batch.logged, batch.score_keys = log.columns, log.score_keys
+        batch.scorable = ~torch.stack(list(batch.reward_columns.values())).isnan().all(0)
         if a.overlong_buffer:
             pen = overlong_penalty(batch.gen.completion_mask.sum(-1).cpu(), self.cfg.rollout.max_new_tokens,
                                    a.overlong_buffer, a.overlong_penalty)
@@ -153,6 +154,8 @@ class GRPOTrainer:
         a, P = self.cfg.algorithm, self.cfg.rollout.prompts_per_step
         stats = {"time/generate": 0.0, "time/reward": 0.0}
         self.logged_metrics = {}
+        s = self.sampler
+        self.epoch_at_step = s.epoch + s.index / max(1, len(s.rows))
         kept: list[RolloutBatch] = []
         n_groups, first = 0, None
         for rnd in range(1, a.max_sampling_rounds + 1):
@@ -167,7 +170,7 @@ class GRPOTrainer:
             if not a.dynamic_sampling:
                 stats["frac_reward_zero_std"] = self._zero_std(batch)
                 return batch, stats
-            keep = dynamic_sampling_keep(batch.rewards, batch.group_ids)
+            keep = self._informative(batch)
             kept.append(batch.select(keep))
             n_groups += len(torch.unique(batch.group_ids[keep]))
             if n_groups >= P:
@@ -181,10 +184,23 @@ class GRPOTrainer:
         return merged.select(merged.group_ids < P), stats
 
     @staticmethod
+    def _scorable(batch: RolloutBatch) -> torch.Tensor:
+        return batch.scorable if batch.scorable is not None else torch.ones(len(batch), dtype=torch.bool)
+
+    def _informative(self, batch: RolloutBatch) -> torch.Tensor:
+        """Rows of the groups whose scorable rewards are not all equal (DAPO's filter)."""
+        ok = self._scorable(batch)
+        varied = torch.zeros(len(batch), dtype=torch.bool)
+        varied[ok] = dynamic_sampling_keep(batch.rewards[ok], batch.group_ids[ok])
+        return torch.isin(batch.group_ids, batch.group_ids[varied])
+
+    @staticmethod
     def _zero_std(batch: RolloutBatch) -> float:
+        """Share of groups whose scorable rewards are all equal (or that have at most one)."""
         _, inv = torch.unique(batch.group_ids, return_inverse=True)
-        groups = [batch.rewards[inv == g] for g in range(int(inv.max()) + 1)]
-        return sum(float(r.max() == r.min()) for r in groups) / len(groups)
+        ok = GRPOTrainer._scorable(batch)
+        groups = [batch.rewards[(inv == g) & ok] for g in range(int(inv.max()) + 1)]
+        return sum(float(len(r) < 2 or r.max() == r.min()) for r in groups) / len(groups)
 
     def advantages(self, batch: RolloutBatch, ref_lp: torch.Tensor | None) -> dict:
         """Advantages from the rewards (minus beta * KL when algorithm.kl_in_reward)."""
@@ -195,8 +211,13 @@ class GRPOTrainer:
             kl = kl_penalty(g.sampler_logprobs, ref_lp, a.kl_estimator)
             rewards = apply_kl_in_reward(rewards, kl.cpu(), g.completion_mask.cpu(), a.beta)
             out["kl"] = float((kl * g.completion_mask).sum() / g.completion_mask.sum().clamp(min=1))
-        batch.advantages = compute_advantages(rewards, batch.group_ids, a.adv_estimator, eps=a.adv_eps,
-                                              unbiased_std=a.unbiased_std, scale_rewards=a.scale_rewards)
+        opts = dict(eps=a.adv_eps, unbiased_std=a.unbiased_std, scale_rewards=a.scale_rewards)
+        ok = self._scorable(batch)
+        if bool(ok.all()):
+            batch.advantages = compute_advantages(rewards, batch.group_ids, a.adv_estimator, **opts)
+        else:   # rows no reward function scored: out of the baselines, advantage 0 (as TRL does)
+            batch.advantages = torch.zeros_like(rewards)
+            batch.advantages[ok] = compute_advantages(rewards[ok], batch.group_ids[ok], a.adv_estimator, **opts)
         return out
 
     def _micro_batches(self, n: int) -> list[slice]:
@@ -318,10 +339,11 @@ class GRPOTrainer:
         if a.ref_sync_steps and self.step % a.ref_sync_steps == 0:
             ref_sync(self.ref, self.model, a.ref_sync_alpha)
 
-        r, mask = batch.rewards, batch.gen.completion_mask
+        r, mask = batch.rewards[self._scorable(batch)], batch.gen.completion_mask
         lengths = mask.sum(-1).float()
         gen_tokens = float(lengths.sum())
-        metrics = {"step": self.step, "reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        metrics = {"step": self.step, "reward": float(r.mean()) if len(r) else float("nan"),
+                   "reward_std": float(r.std()) if len(r) > 1 else 0.0,
                    "frac_reward_zero_std": stats["frac_reward_zero_std"]}
         for spec, col in batch.reward_columns.items():
             name = self.reward_names.get(spec) or reward_name(spec)
@@ -330,7 +352,7 @@ class GRPOTrainer:
             metrics[f"rewards/{name}/std"] = float(valid.std()) if len(valid) > 1 else 0.0
         for key in batch.score_keys:   # extra keys of dict returns (verl's reward_extra_info), mean over samples
             mean = number_mean(batch.logged[key])
-            if mean is not None:
+            if mean is not None and key.rpartition("/")[2] not in ("mean", "std"):   # those name the reward's own
                 metrics[f"rewards/{key}"] = mean
         metrics.update(upd)
         metrics.update(kl_metrics)

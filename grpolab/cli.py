@@ -19,10 +19,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: train.max_steps)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=DEMO_DIR, help=f"run directory (default {DEMO_DIR})")
+    d.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training")
     d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-4")
 
     t = sub.add_parser("train", help="run GRPO from a YAML config")
     t.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
+    t.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training, "
+                   "started with torch.distributed.run; or launch with torchrun -m grpolab train ...")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
     e = sub.add_parser("eval", help="evaluate a checkpoint or Hugging Face model on the held-out split")
@@ -53,14 +56,60 @@ def _tiny_model(args) -> None:
     print(f"wrote {save_tiny_model(args.out, texts, vocab_size=args.vocab_size)}")
 
 
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run `grpolab argv` as `nproc` local ranks with torch's elastic launcher (what torchrun
+    --standalone does); its exit code. A failing rank prints its own one-line error; the launcher
+    adds one line naming the rank, instead of its report."""
+    import logging
+    import os
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    rest, skip = [], False
+    for a in argv:   # drop --nproc N / --nproc=N: each rank runs one process
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    # torchrun would give each rank 1 thread; grpolab gives each its share of the cores (setup_torch)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # its report: one line below
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    try:
+        elastic_launch(config, sys.executable)("-m", "grpolab", *rest)
+        return 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"grpolab: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
+        return 130 if code in (130, -2) else (code if 0 < code < 128 else 1)
+    except KeyboardInterrupt:   # the launcher has passed the signal on to the ranks; rank 0 saved
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     # key=value overrides may come before or after options: argparse leaves the later ones unparsed
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = list(getattr(args, "overrides", [])) + extra
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1:
+        parser.error("--nproc: must be >= 1")
+    if nproc > 1:
+        import os
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            parser.error("--nproc: already running under torchrun; drop --nproc")
+        return _launch(nproc, argv)
     try:
         from . import pipeline  # imported late so `grpolab --help` is instant
         from .data.loading import DataError
@@ -90,21 +139,34 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if args.debug:
             raise
-        print(f"grpolab: config error: {e}", file=sys.stderr)
+        _error(f"config error: {e}", same_on_every_rank=True)
         return 2
     except (DataError, RewardError, TrainingError, CheckpointError) as e:
         if args.debug:
             raise
-        print(f"grpolab: {type(e).__name__.replace('Error', '').lower()} error: {e}", file=sys.stderr)
+        _error(f"{type(e).__name__.replace('Error', '').lower()} error: {e}",
+               same_on_every_rank=isinstance(e, DataError))
         return 2
     except (FileNotFoundError, NotADirectoryError, PermissionError, ImportError) as e:
         if args.debug:
             raise
-        print(f"grpolab: error: {e}", file=sys.stderr)
+        _error(f"error: {e}")
         return 2
     except KeyboardInterrupt as e:
-        print(f"grpolab: {e or 'interrupted'}", file=sys.stderr)
+        _error(f"{e or 'interrupted'}", same_on_every_rank=True)
         return 130
+
+
+def _error(msg: str, same_on_every_rank: bool = False) -> None:
+    """One line on stderr. Under several ranks, rank 0 alone reports what every rank hits alike
+    (a config or data error); other errors name their rank."""
+    import os
+    rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if size > 1 and rank > 0:
+        if same_on_every_rank:
+            return
+        msg = f"[rank {rank}] {msg}"
+    print(f"grpolab: {msg}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 import yaml
 
+from . import distributed
 from .config import Config, check_output_dir
 from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
 from .data.tasks import arithmetic
@@ -26,9 +28,25 @@ EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8")
 
 
 def setup_torch(cfg: Config) -> None:
-    """Fixed thread count, MKL's dynamic threading off, seeded: same bits on an idle or busy machine."""
-    pin_cpu_numerics(cfg.train.threads)
+    """Join the process group when launched with several ranks; fixed thread count (several ranks
+    on one machine share its cores), MKL's dynamic threading off, seeded: same bits on an idle or
+    busy machine."""
+    world = distributed.init(cfg.model.device)
+    threads = cfg.train.threads
+    if world.size > 1 and not threads:
+        threads = max(1, (os.cpu_count() or 1) // world.local_size)
+    pin_cpu_numerics(threads)
     torch.manual_seed(cfg.train.seed)
+
+
+def _device(cfg: Config) -> str:
+    """model.device for this process: with several ranks, 'cuda' is cuda:LOCAL_RANK."""
+    return distributed.rank_device(cfg.model.device, distributed.world_from_env())
+
+
+def _console(cfg: Config) -> Console:
+    """Rank 0 talks; the other ranks stay quiet (errors still reach stderr)."""
+    return Console(level=cfg.log.level) if distributed.world_from_env().main else Console(quiet=True)
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -100,15 +118,15 @@ def load_policy(cfg: Config, train_rows: list[dict], console: Console):
     m = cfg.model
     if m.init_from:
         console.info(f"loading {m.init_from}")
-        return load_model(m.init_from, dtype=m.dtype, device=m.device)
+        return load_model(m.init_from, dtype=m.dtype, device=_device(cfg))
     if m.name_or_path != "builtin":
-        model, tok = load_hf(m.name_or_path, dtype=m.dtype, device=m.device,
+        model, tok = load_hf(m.name_or_path, dtype=m.dtype, device=_device(cfg),
                              trust_remote_code=m.trust_remote_code)
         console.info(f"{m.name_or_path}: {model.num_params() / 1e6:.2f}M parameters, {m.dtype}, "
                      f"{next(model.parameters()).device}")
         return model, tok
     tok = CharTokenizer()
-    model = build_builtin(cfg.model, tok).to(resolve_device(m.device))
+    model = build_builtin(cfg.model, tok).to(resolve_device(_device(cfg)))
     console.info(f"built-in GPT: {model.num_params() / 1e6:.2f}M parameters")
     if cfg.sft.steps:
         t0 = time.perf_counter()
@@ -123,7 +141,8 @@ def load_policy(cfg: Config, train_rows: list[dict], console: Console):
 
 def write_run_config(cfg: Config, run_dir: Path) -> None:
     check_output_dir(cfg)   # before any work: an unwritable train.output_dir is a config error naming the key
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if distributed.world_from_env().main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
@@ -132,7 +151,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     train_rows, test_rows = load_data(cfg)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
         console.info(f"resuming from {ckpt}")
-        model, tok = load_model(ckpt, dtype=cfg.model.dtype, device=cfg.model.device)
+        model, tok = load_model(ckpt, dtype=cfg.model.dtype, device=_device(cfg))
     else:
         model, tok = load_policy(cfg, train_rows, console)
     train_rows = fit_prompts(cfg, model, tok, train_rows, console, "train")
@@ -145,24 +164,29 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
 
 def run_train(cfg: Config, console: Console | None = None) -> dict:
     """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
-    console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
+    console = console or _console(cfg)
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, console)
+    if trainer.world.size > 1:
+        console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "
+                     f"{torch.get_num_threads()} threads each")
     trainer.train()
     final = trainer.evaluate()
-    (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
-    console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
-    _report(run_dir, console)
+    if trainer.world.main:
+        (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+        console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
+        _report(run_dir, console)
+    distributed.shutdown()
     return final
 
 
 def run_demo(cfg: Config, console: Console | None = None) -> dict:
     """Warm start, evaluate, GRPO, evaluate; print a before/after table; write summary.json."""
-    console = console or Console(level=cfg.log.level)
     t0 = time.perf_counter()
     setup_torch(cfg)
+    console = console or _console(cfg)
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, console)
@@ -178,12 +202,15 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
                "after": {k: after[k] for k in EVAL_KEYS if k in after},
                "steps": cfg.train.max_steps, "seed": cfg.train.seed, "wall_seconds": wall,
                "rollout_tokens_per_sec": sorted(gen_tps)[len(gen_tps) // 2] if gen_tps else None}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.info("")
-    console.table(["metric (held-out)", "before", "after", "change"],
-                  [[k, before[k], after[k], after[k] - before[k]] for k in EVAL_KEYS if k in before], always=True)
-    console.result(f"\nwall time {wall:.0f}s; summary in {run_dir / 'summary.json'}")
-    _report(run_dir, console)
+    if trainer.world.main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        console.info("")
+        console.table(["metric (held-out)", "before", "after", "change"],
+                      [[k, before[k], after[k], after[k] - before[k]] for k in EVAL_KEYS if k in before],
+                      always=True)
+        console.result(f"\nwall time {wall:.0f}s; summary in {run_dir / 'summary.json'}")
+        _report(run_dir, console)
+    distributed.shutdown()
     return summary
 
 

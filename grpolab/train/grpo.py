@@ -11,6 +11,7 @@ One step:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -29,8 +30,9 @@ from ..algorithms.kl import apply_kl_in_reward, kl_penalty
 from ..algorithms.ref_sync import ref_sync
 from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
 from ..algorithms.losses import compute_policy_loss
-from ..config import Config
-from ..eval import evaluate
+from .. import distributed as dist
+from ..config import Config, ConfigError
+from ..eval import evaluate, score_samples
 from ..rewards import reward_name, reward_names
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rollout.batch import RolloutBatch, cat_batches
@@ -80,6 +82,10 @@ class GRPOTrainer:
     def __init__(self, cfg: Config, model, tokenizer, train_rows: list[dict], test_rows: list[dict],
                  run_dir: str | Path, console=None) -> None:
         self.cfg, self.model, self.tok = cfg, model, tokenizer
+        self.world = dist.world_from_env()
+        if self.world.size > 1:
+            self._check_world(cfg)
+            dist.broadcast_parameters(model)   # every rank starts from rank 0's policy, bit for bit
         if hasattr(model, "lean_decode"):   # Hugging Face policies: which sampling path to use
             model.lean_decode = cfg.rollout.lean_decode
         self.test_rows = test_rows[:cfg.eval.num_problems]
@@ -94,7 +100,8 @@ class GRPOTrainer:
             self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
         self.sampler = PromptSampler(train_rows, cfg.train.seed)
         self.device = next(model.parameters()).device
-        self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
+        # each rank draws its own completions (rank 0 the 1-process stream)
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed + 1_000_003 * self.world.rank)
         self.step = 0
         self.bad_steps = 0
         self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
@@ -103,10 +110,22 @@ class GRPOTrainer:
         self.epoch_at_step = 0.0
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
 
+    def _check_world(self, cfg: Config) -> None:
+        n, P = self.world.size, cfg.rollout.prompts_per_step
+        if P % n:
+            raise ConfigError(f"rollout.prompts_per_step: {P} prompts cannot be split evenly over {n} ranks; "
+                              f"give a multiple of {n}")
+        if cfg.algorithm.dynamic_sampling:
+            raise ConfigError("algorithm.dynamic_sampling: not supported with several ranks yet; run it in one "
+                              "process")
+
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
         r = self.cfg.rollout
-        rows = self.sampler.next(r.prompts_per_step)
+        rows = self.sampler.next(r.prompts_per_step)   # the step's prompts: the same list on every rank
+        if self.world.size > 1:                          # this rank's share: whole groups, in order
+            k = len(rows) // self.world.size
+            rows = rows[self.world.rank * k:(self.world.rank + 1) * k]
         G = r.num_generations
         self.model.eval()
         try:
@@ -210,14 +229,20 @@ class GRPOTrainer:
             g = batch.gen
             kl = kl_penalty(g.sampler_logprobs, ref_lp, a.kl_estimator)
             rewards = apply_kl_in_reward(rewards, kl.cpu(), g.completion_mask.cpu(), a.beta)
-            out["kl"] = float((kl * g.completion_mask).sum() / g.completion_mask.sum().clamp(min=1))
+            kl_sum, n_tok = dist.sum_floats(float((kl * g.completion_mask).sum()), float(g.completion_mask.sum()))
+            out["kl"] = kl_sum / max(n_tok, 1.0)
         opts = dict(eps=a.adv_eps, unbiased_std=a.unbiased_std, scale_rewards=a.scale_rewards)
-        ok = self._scorable(batch)
+        ok, group_ids = self._scorable(batch), batch.group_ids
+        if self.world.size > 1:   # every reward of the step: batch-wide statistics are over all ranks
+            B = len(batch)
+            rewards, ok = dist.gather_rows(rewards), dist.gather_rows(ok)
+            group_ids = dist.gather_rows(group_ids + self.world.rank * B)   # groups stay distinct across ranks
         if bool(ok.all()):
-            batch.advantages = compute_advantages(rewards, batch.group_ids, a.adv_estimator, **opts)
+            adv = compute_advantages(rewards, group_ids, a.adv_estimator, **opts)
         else:   # rows no reward function scored: out of the baselines, advantage 0 (as TRL does)
-            batch.advantages = torch.zeros_like(rewards)
-            batch.advantages[ok] = compute_advantages(rewards[ok], batch.group_ids[ok], a.adv_estimator, **opts)
+            adv = torch.zeros_like(rewards)
+            adv[ok] = compute_advantages(rewards[ok], group_ids[ok], a.adv_estimator, **opts)
+        batch.advantages = adv[self.world.rank * B:(self.world.rank + 1) * B] if self.world.size > 1 else adv
         return out
 
     def _micro_batches(self, n: int) -> list[slice]:
@@ -247,8 +272,8 @@ class GRPOTrainer:
         # completions cut at max_new_tokens can be left out of the loss (they never count as sequences)
         loss_mask = g.completion_mask & ~g.truncated[:, None] if a.mask_truncated_completions else g.completion_mask
         mask = loss_mask.float()
-        n_tok = float(mask.sum())
-        n_seq = float((mask.sum(-1) > 0).sum())
+        # the global batch's counts: each rank's loss is its share of one loss over every rank's tokens
+        n_tok, n_seq = dist.sum_floats(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
         slices = self._micro_batches(len(batch))
         agg = dict(global_tokens=n_tok, global_seqs=n_seq, max_new_tokens=self.cfg.rollout.max_new_tokens)
 
@@ -285,6 +310,7 @@ class GRPOTrainer:
                 sums["entropy"] += float((ent.detach() * m).sum())
                 for k, v in cm.items():
                     sums[k] += v
+            dist.sum_gradients(self.model.parameters())   # the full batch's gradient on every rank
             max_norm = self.cfg.optim.max_grad_norm or float("inf")
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             grad_norms.append(norm)
@@ -296,6 +322,8 @@ class GRPOTrainer:
         if applied:   # a skipped step leaves the schedule where it was: the next step gets this step's lr
             self.sched.step()
         self.model.eval()
+        if self.world.size > 1:
+            sums = dict(zip(sums, dist.sum_floats(*sums.values())))
         passes = a.num_iterations
         out = {"lr": lr, "loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
                "entropy": sums["entropy"] / passes / max(n_tok, 1)}
@@ -318,12 +346,21 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------ the loop
     def evaluate(self) -> dict:
-        e = self.cfg.eval
-        res = evaluate(self.model, self.tok, self.test_rows, k=e.k, temperature=e.temperature,
+        """Held-out metrics. With several ranks each evaluates every N-th problem and the metrics are
+        taken over all of them (every rank gets the same numbers)."""
+        e, w = self.cfg.eval, self.world
+        rows = self.test_rows[w.rank::w.size] if w.size > 1 else self.test_rows
+        res = evaluate(self.model, self.tok, rows, k=e.k, temperature=e.temperature,
                        max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
-                       seed=self.cfg.train.seed, reward=e.reward)
-        res.pop("samples")
-        return res
+                       seed=self.cfg.train.seed + 1_000_003 * w.rank, reward=e.reward)
+        samples = res.pop("samples")
+        if w.size == 1:
+            return res
+        recs = dist.unstride(dist.gather_objects(samples))   # every problem's record, in problem order
+        k = len(recs[0].get("samples", [])) or 1
+        out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
+                               [r["answer"] for r in recs], k, e.reward)
+        return out
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
@@ -339,36 +376,50 @@ class GRPOTrainer:
         if a.ref_sync_steps and self.step % a.ref_sync_steps == 0:
             ref_sync(self.ref, self.model, a.ref_sync_alpha)
 
-        r, mask = batch.rewards[self._scorable(batch)], batch.gen.completion_mask
-        lengths = mask.sum(-1).float()
+        # metrics are over the global batch: every rank's rows (gather_rows is the identity in one process)
+        glob = dist.gather_rows
+        r = glob(batch.rewards)[glob(self._scorable(batch))]
+        lengths = glob(batch.gen.completion_mask.sum(-1).float().cpu())
         gen_tokens = float(lengths.sum())
+        zero_std = stats["frac_reward_zero_std"]
+        if self.world.size > 1:   # every rank has the same number of groups
+            zero_std = dist.sum_floats(zero_std)[0] / self.world.size
         metrics = {"step": self.step, "reward": float(r.mean()) if len(r) else float("nan"),
-                   "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-                   "frac_reward_zero_std": stats["frac_reward_zero_std"]}
+                   "reward_std": float(r.std()) if len(r) > 1 else 0.0, "frac_reward_zero_std": zero_std}
         for spec, col in batch.reward_columns.items():
             name = self.reward_names.get(spec) or reward_name(spec)
+            col = glob(col)
             valid = col[~torch.isnan(col)]
             metrics[f"rewards/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
             metrics[f"rewards/{name}/std"] = float(valid.std()) if len(valid) > 1 else 0.0
-        for key in batch.score_keys:   # extra keys of dict returns (verl's reward_extra_info), mean over samples
-            mean = number_mean(batch.logged[key])
+        logged = {k: batch.logged[k] for k in batch.score_keys}
+        logged_metrics = self.logged_metrics
+        if self.world.size > 1:
+            parts = dist.gather_objects((logged, logged_metrics))
+            logged = {k: [v for p, _ in parts for v in p.get(k, [])] for k in dict.fromkeys(
+                k for p, _ in parts for k in p)}
+            logged_metrics = {k: [v for _, m in parts for v in m.get(k, [])] for k in dict.fromkeys(
+                k for _, m in parts for k in m)}
+        for key, values in logged.items():   # extra keys of dict returns (verl's reward_extra_info), means
+            mean = number_mean(values)
             if mean is not None and key.rpartition("/")[2] not in ("mean", "std"):   # those name the reward's own
                 metrics[f"rewards/{key}"] = mean
         metrics.update(upd)
         metrics.update(kl_metrics)
         metrics.update({k: v for k, v in stats.items() if k.startswith("dynamic_sampling/")})
         metrics["completions/mean_length"] = float(lengths.mean())
-        metrics["completions/clipped_ratio"] = float(batch.gen.truncated.float().mean())
+        metrics["completions/clipped_ratio"] = float(glob(batch.gen.truncated.float().cpu()).mean())
         metrics["time/generate"] = stats["time/generate"]
         metrics["time/reward"] = stats["time/reward"]
         metrics["time/ref_and_advantages"] = t2 - t1
         metrics["time/update"] = t3 - t2
         metrics["time/step"] = t3 - t0
         metrics["perf/gen_tokens_per_sec"] = gen_tokens / max(stats["time/generate"], 1e-9)
-        trained = float(batch.gen.completion_mask.sum()) * self.cfg.algorithm.num_iterations
+        trained = gen_tokens * self.cfg.algorithm.num_iterations
         metrics["perf/train_tokens_per_sec"] = trained / max(t3 - t2, 1e-9)
-        for k, v in self.logged_metrics.items():   # reward functions' log_metric scalars; built-in keys win
-            metrics.setdefault(k, sum(v) / len(v))
+        for k, v in logged_metrics.items():   # reward functions' log_metric scalars; built-in keys win
+            if v:
+                metrics.setdefault(k, sum(v) / len(v))
         self.last_batch = batch
         return metrics
 
@@ -378,33 +429,42 @@ class GRPOTrainer:
         SIGINT/SIGTERM finish the current step, save a checkpoint and raise KeyboardInterrupt.
         """
         t = self.cfg.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        main = self.world.main   # only rank 0 writes files, logs and checkpoints
         history: list[dict] = []
         start = time.perf_counter()
-        if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
-            (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
+                (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
         stop = _StopFlag()
         # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
-        trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id)
-        self.wandb_run_id = trackers.wandb_run_id or self.wandb_run_id
+        trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
+            if main else contextlib.nullcontext()
+        self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
         # a resumed run appends after the lines its checkpoint already covers
-        with stop, trackers, open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") as f:
+        out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if main else contextlib.nullcontext()
+        with stop, trackers, out as f:
             while self.step < t.max_steps:
                 m = self.train_step()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     m.update({f"eval/{k}": v for k, v in self.evaluate().items()})
                 history.append(m)
-                f.write(json.dumps(m) + "\n")
-                f.flush()
-                trackers.log(m, self.step)
-                if self.cfg.log.samples_every and self.step % self.cfg.log.samples_every == 0:
-                    self._write_samples()
-                if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
-                    self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
-                if stop.signal is not None:
+                if main:
+                    f.write(json.dumps(m) + "\n")
+                    f.flush()
+                    trackers.log(m, self.step)
+                    if self.cfg.log.samples_every and self.step % self.cfg.log.samples_every == 0:
+                        self._write_samples()
+                    if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
+                        self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
+                # a signal seen by any rank stops every rank after the same step
+                stopped = stop.signal is not None
+                if self.world.size > 1:
+                    stopped = dist.sum_floats(float(stopped))[0] > 0
+                if stopped:
                     self.save()
-                    raise KeyboardInterrupt(f"stopped by {stop.signal} after step {self.step}; "
-                                            f"checkpoint saved, continue with train.resume=auto")
+                    raise KeyboardInterrupt(f"stopped by {stop.signal or 'a signal to another rank'} after step "
+                                            f"{self.step}; checkpoint saved, continue with train.resume=auto")
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
                     self.save()
         self.save()
@@ -432,7 +492,10 @@ class GRPOTrainer:
         if self.console is not None:
             self.console.samples(self.step, records)
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint (rank 0 only: every rank holds the same weights and optimizer state)."""
+        if not self.world.main:
+            return None
         rng = {"torch": torch.get_rng_state(), "generator": self.gen.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()

@@ -1,0 +1,148 @@
+"""Data-parallel training on CPU with gloo and 2 local ranks: an N-rank step is the 1-process step."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from test_grpo import TINY
+
+import dist_cases
+
+
+def _torchrun(*args, nproc=2, timeout=300):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def split_and_whole(tmp_path_factory):
+    """The same rollouts and rewards, updated once split over 2 ranks and once in this process."""
+    d = tmp_path_factory.mktemp("dist_cases")
+    dist_cases.make(d)
+    res = _torchrun(str(ROOT / "tests" / "dist_cases.py"), "run", str(d), str(d / "two.pt"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(d / "two.pt", weights_only=False), dist_cases.run(d, None), \
+        torch.load(d / "rollouts.pt", weights_only=False)["policy"]
+
+
+def test_update_over_two_ranks_equals_one_process(split_and_whole):
+    two, one, start = split_and_whole
+    assert set(two) == set(one) == set(dist_cases.CASES) and len(one) == 64
+    for case in dist_cases.CASES:
+        a, b = one[case], two[case]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), case
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-6), case
+        assert (a["kl"] is None) == (b["kl"] is None) and (a["kl"] is None or abs(a["kl"] - b["kl"]) < 1e-6), case
+        assert set(a["grads"]) == set(b["grads"])
+        for name, g in a["grads"].items():
+            # the gradient the optimizer used: the full batch's, summed over the ranks' shares
+            assert (b["grads"][name] - g).abs().max() <= 1e-6, (case, name)
+            # the update itself, on the entries with a gradient above float noise: AdamW's first step,
+            # lr * g / (|g| + 1e-8), turns 1e-8-level rounding of a near-zero gradient into a visible step
+            big = g.abs() > 1e-5
+            moved = (one[case]["params"][name] - start[name])[big]
+            assert moved.abs().max() > 0, (case, name)
+            assert (two[case]["params"][name] - one[case]["params"][name])[big].abs().max() <= 1e-6, (case, name)
+    # the cases are not all one case: the losses differ
+    assert len({round(one[c]["loss"], 6) for c in dist_cases.CASES}) > 10
+
+
+def _small(out, *extra):
+    return [*TINY, "rollout.prompts_per_step=4", "train.max_steps=2", "train.save_every=1", "eval.num_problems=8",
+            "eval.k=2", f"train.output_dir={out}", *extra]
+
+
+def test_train_with_two_ranks_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    res = run_cli("train", "--nproc", "2", *_small(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "2 ranks (gloo)" in res.stdout + res.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]      # written once, by rank 0
+    # the metrics are over the global batch: 4 prompts x 4 completions, from both ranks
+    assert all(0 < m["completions/mean_length"] <= 12 for m in lines)
+    assert json.loads((out / "eval.json").read_text()).keys() >= {"greedy_accuracy", "pass@1", "pass@2"}
+    from grpolab.train.checkpoint import load_model
+    model, _ = load_model(str(out / "checkpoints" / "step_2"))
+    assert sum(p.numel() for p in model.parameters()) > 0
+    # resuming the 2-rank run in one process continues from its checkpoint
+    res = run_cli("train", *_small(out, "train.max_steps=3", "train.resume=auto"), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_prompts_must_split_evenly_over_ranks(tmp_path):
+    res = run_cli("train", "--nproc", "2", *_small(tmp_path / "run", "rollout.prompts_per_step=3"), timeout=600)
+    assert res.returncode != 0
+    assert "rollout.prompts_per_step: 3 prompts cannot be split evenly over 2 ranks; give a multiple of 2" \
+        in res.stderr
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launchers_as_two_machines(tmp_path):
+    """torchrun --nnodes 2 --nproc_per_node 1 twice, rendezvous on 127.0.0.1: one run of 2 ranks."""
+    port, out = _free_port(), tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=grpolab-test",
+           "-m", "grpolab", "train", *_small(out, "train.threads=1", "sft.steps=5")]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "2 ranks (gloo)" in "".join(logs)
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):
+    import os
+    import signal
+    import time
+    out = tmp_path / "run"
+    args = _small(out, "train.max_steps=100000", "sft.steps=5")
+    launcher = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", "--nproc", "2", *args], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    assert metrics.exists(), launcher.communicate(timeout=60)
+
+    def rank_of(pid):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            return None
+        return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    rank1 = [p for p in pids if rank_of(p) == 1 and str(out) in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
+    assert len(rank1) == 1, rank1
+    killed = time.time()
+    os.kill(rank1[0], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=90)
+    assert time.time() - killed < 60
+    assert launcher.returncode != 0
+    assert err.strip().splitlines()[-1] == "grpolab: rank 1 was killed by signal 9; the other ranks were stopped", err
+    # one process continues from the last checkpoint the 2-rank run wrote, and finishes
+    last = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+    res = run_cli("train", *_small(out, f"train.max_steps={last + 2}", "train.resume=auto"), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, last + 3))
+
+
+def test_unstride_restores_the_order_of_a_strided_split():
+    from grpolab.distributed import unstride
+    items = list(range(11))
+    for n in (1, 2, 3, 4):
+        assert unstride([items[r::n] for r in range(n)]) == items

@@ -64,6 +64,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
     import os
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -77,7 +78,8 @@ def _launch(nproc: int, argv: list[str]) -> int:
             rest.append(a)
     # torchrun would give each rank 1 thread; grpolab gives each its share of the cores (setup_torch)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # its report: one line below
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)   # its own report: one line below instead
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
     try:
@@ -86,10 +88,12 @@ def _launch(nproc: int, argv: list[str]) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
+        if code == 130:   # stopped by a signal: the ranks synced the stop and rank 0 said so
+            return 130
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         print(f"grpolab: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
         return 130 if code in (130, -2) else (code if 0 < code < 128 else 1)
-    except KeyboardInterrupt:   # the launcher has passed the signal on to the ranks; rank 0 saved
+    except (KeyboardInterrupt, SignalException):   # the launcher passed the signal on; rank 0 saved and said so
         return 130
 
 

@@ -18,8 +18,10 @@ from datetime import timedelta
 
 import torch
 
-# a rank that dies must not leave the others waiting in a collective for torch's default 30 minutes
-TIMEOUT_S = 120
+# how long a collective waits for a rank that does not come: long enough for rank 0 to write a large
+# checkpoint while the others wait, shorter than torch's 30 minutes. A rank that dies on this machine
+# is noticed at once by the launcher, which stops the others.
+TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from . import distributed
-from .config import Config, check_output_dir
+from .config import Config, ConfigError, check_output_dir
 from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
 from .data.tasks import arithmetic
 from .data.tasks.gsm8k import load_gsm8k
@@ -32,6 +32,9 @@ def setup_torch(cfg: Config) -> None:
     on one machine share its cores), MKL's dynamic threading off, seeded: same bits on an idle or
     busy machine."""
     world = distributed.init(cfg.model.device)
+    if world.size > 1 and cfg.rollout.prompts_per_step % world.size:   # before any work, not after the warm start
+        raise ConfigError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} prompts cannot be split "
+                          f"evenly over {world.size} ranks; give a multiple of {world.size}")
     threads = cfg.train.threads
     if world.size > 1 and not threads:
         threads = max(1, (os.cpu_count() or 1) // world.local_size)
@@ -165,7 +168,13 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
 def run_train(cfg: Config, console: Console | None = None) -> dict:
     """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
     setup_torch(cfg)
-    console = console or _console(cfg)
+    try:
+        return _train(cfg, console or _console(cfg))
+    finally:   # also on errors and Ctrl-C: a rank leaves its process group cleanly
+        distributed.shutdown()
+
+
+def _train(cfg: Config, console: Console) -> dict:
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, console)
@@ -178,7 +187,6 @@ def run_train(cfg: Config, console: Console | None = None) -> dict:
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
         _report(run_dir, console)
-    distributed.shutdown()
     return final
 
 
@@ -186,7 +194,13 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
     """Warm start, evaluate, GRPO, evaluate; print a before/after table; write summary.json."""
     t0 = time.perf_counter()
     setup_torch(cfg)
-    console = console or _console(cfg)
+    try:
+        return _demo(cfg, console or _console(cfg), t0)
+    finally:
+        distributed.shutdown()
+
+
+def _demo(cfg: Config, console: Console, t0: float) -> dict:
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, console)
@@ -210,7 +224,6 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
                       always=True)
         console.result(f"\nwall time {wall:.0f}s; summary in {run_dir / 'summary.json'}")
         _report(run_dir, console)
-    distributed.shutdown()
     return summary
 
 

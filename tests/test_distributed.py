@@ -105,11 +105,10 @@ def test_two_launchers_as_two_machines(tmp_path):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):
+def _start_long_run(out):
+    """A 2-rank run that would go on for hours, once it has written 3 steps; (launcher, rank 1's pid)."""
     import os
-    import signal
     import time
-    out = tmp_path / "run"
     args = _small(out, "train.max_steps=100000", "sft.steps=5")
     launcher = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", "--nproc", "2", *args], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -122,14 +121,38 @@ def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):
     def rank_of(pid):
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
         except OSError:
             return None
-        return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    rank1 = [p for p in pids if rank_of(p) == 1 and str(out) in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
+        return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None) if str(out) in cmd else None
+    rank1 = [int(p) for p in os.listdir("/proc") if p.isdigit() and rank_of(int(p)) == 1]
     assert len(rank1) == 1, rank1
+    return launcher, rank1[0]
+
+
+def test_signal_to_one_rank_stops_all_after_the_same_step(tmp_path):
+    import os
+    import signal
+    out = tmp_path / "run"
+    launcher, rank1 = _start_long_run(out)
+    os.kill(rank1, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 130, err
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert err.strip().splitlines()[-1] == (f"grpolab: stopped by a signal to another rank after step {last}; "
+                                            f"checkpoint saved, continue with train.resume=auto"), err
+    assert (out / "checkpoints" / f"step_{last}").is_dir()
+
+
+def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):
+    import os
+    import signal
+    import time
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+    launcher, rank1 = _start_long_run(out)
     killed = time.time()
-    os.kill(rank1[0], signal.SIGKILL)
+    os.kill(rank1, signal.SIGKILL)
     _, err = launcher.communicate(timeout=90)
     assert time.time() - killed < 60
     assert launcher.returncode != 0

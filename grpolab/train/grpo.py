@@ -522,7 +522,7 @@ class GRPOTrainer:
         self.sampler.restore(state["trainer"]["sampler"])
         self.step = state["trainer"]["step"]
         self.wandb_run_id = state["trainer"].get("wandb_run_id")
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl") if self.world.main else ():   # rank 0 owns the files
             path = self.run_dir / name
             if path.exists():
                 keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]

@@ -11,7 +11,11 @@ import torch
 from .rewards import get_reward
 from .rewards.answers import extract_hash_answer, format_number, plain_hash_answer
 from .rollout.engine import generate
+from .rollout.keys import completion_keys
 
+
+
+EVAL_SALT = 0x65766C   # 'evl'
 
 def answer_key(completion: str, reward: str) -> str | None:
     """What maj@k votes on: the completion's final answer as the eval reward reads it, numbers in
@@ -84,13 +88,16 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
 
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
-             reward: str = "gsm8k_accuracy") -> dict:
+             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None) -> dict:
     """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k.
 
     `reward` names the correctness check (gsm8k_accuracy or math_accuracy). maj@k takes
     the most common final answer among the k samples and counts it right when the samples
     giving it are right. Returns a metrics dict plus 'samples': one record per problem.
+    Sample j of problem i is keyed by (seed, row_ids[i], j) (`row_ids` default 0..n-1): a
+    problem gets the same samples whatever the batch size or the split of the problems.
     """
+    row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
     prompts = [tokenizer.render_prompt(r["prompt"]) for r in rows]
     answers = [r["answer"] for r in rows]
     stop = tokenizer.stop_ids
@@ -100,12 +107,15 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
                                               temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id))
     samples: list[str] = []
     if k > 1:
-        gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
         per = max(1, batch_size // k)
-        for chunk in _chunks(prompts, per):
+        for start in range(0, len(prompts), per):
+            chunk = prompts[start:start + per]
+            ids = torch.tensor(row_ids[start:start + per], dtype=torch.long)
+            # salted: eval samples never share keys with the training rollouts of the same seed
+            keys = completion_keys(seed ^ EVAL_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
             samples += _decode(tokenizer, generate(model, chunk, num_generations=k, max_new_tokens=max_new_tokens,
                                                    temperature=temperature, stop_ids=stop,
-                                                   pad_id=tokenizer.pad_id, generator=gen))
+                                                   pad_id=tokenizer.pad_id, keys=keys))
     out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward)
     out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
                        **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}

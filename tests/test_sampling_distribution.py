@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpolab.rollout.engine import generate
+from grpolab.rollout.keys import completion_keys
 
 N = 20000   # draws per case: a frequency is then within ~0.0035 of its probability (1 sigma at p=0.5)
 
@@ -48,15 +49,22 @@ def _check(freq: list[float], probs: list[float]) -> None:
             assert abs(f - p) <= 5 * math.sqrt(p * (1 - p) / N) + 1e-4, (i, f, p)
 
 
+def _randomness(keyed: bool) -> dict:
+    """generate()'s randomness: keyed per completion (what training and eval use), or one generator."""
+    if keyed:   # N samples of one prompt draw: keys (seed 1, draw 0, sample j)
+        return {"keys": completion_keys(1, torch.zeros(N, dtype=torch.long), torch.arange(N))}
+    return {"generator": torch.Generator().manual_seed(1)}
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "generator"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0),
                                                      (1.0, 0, 0.8), (0.8, 8, 0.9)])
 def test_first_and_second_token_frequencies_match_the_exact_probabilities(peaked_gpt, tok, temperature,
-                                                                          top_k, top_p):
+                                                                          top_k, top_p, keyed):
     model = peaked_gpt
     prompt = tok.render_prompt("Sam has 3 apples.")
     gen = generate(model, [prompt], num_generations=N, max_new_tokens=2, temperature=temperature,
-                   top_k=top_k, top_p=top_p, stop_ids=(), pad_id=tok.pad_id,
-                   generator=torch.Generator().manual_seed(1))
+                   top_k=top_k, top_p=top_p, stop_ids=(), pad_id=tok.pad_id, **_randomness(keyed))
     V = model.config.vocab_size
     with torch.no_grad():
         first_logits = model(torch.tensor([prompt]))[0, -1].tolist()
@@ -95,3 +103,20 @@ def test_a_wrong_temperature_would_fail_the_frequency_check(peaked_gpt, tok):
     _check(freq, _plain_probs(logits, 1.0, 0, 1.0))
     with pytest.raises(AssertionError):
         _check(freq, _plain_probs(logits, 0.7, 0, 1.0))
+
+
+def test_keyed_completions_do_not_depend_on_the_batch(tiny_gpt, tok):
+    """The same keys give the same completions in one batch of 6 prompts, or prompt by prompt."""
+    prompts = [tok.render_prompt(f"Sam has {i} apples and buys {i + 3} more.") for i in range(6)]
+    G = 4
+    draws = torch.arange(100, 106)
+    keys = completion_keys(7, draws.repeat_interleave(G), torch.arange(G).repeat(6))
+    kw = dict(num_generations=G, max_new_tokens=12, temperature=1.0, stop_ids=(), pad_id=tok.pad_id)
+    whole = generate(tiny_gpt, prompts, keys=keys, **kw)
+    for i, p in enumerate(prompts):
+        one = generate(tiny_gpt, [p], keys=keys[i * G:(i + 1) * G], **kw)
+        assert torch.equal(one.completion_ids, whole.completion_ids[i * G:(i + 1) * G]), i
+    # and the keys matter: another seed draws other completions
+    other = generate(tiny_gpt, prompts, keys=completion_keys(8, draws.repeat_interleave(G),
+                                                              torch.arange(G).repeat(6)), **kw)
+    assert not torch.equal(other.completion_ids, whole.completion_ids)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.padding import pad_sequences
+from .keys import token_uniforms
 from .sampling import sample_next
 
 
@@ -33,23 +34,29 @@ class Generation:
 def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,
-             generator: torch.Generator | None = None) -> Generation:
+             generator: torch.Generator | None = None, keys: torch.Tensor | None = None) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
     callable `model(ids, key_valid=..., cache=...) -> logits` with `new_cache(batch, max_len)`.
+    Randomness: `keys` (num_prompts * G,) int64 from `keys.completion_keys` make each row's draws
+    depend on its key alone (the same completions however the rows are batched); otherwise the
+    rows share `generator`'s stream.
     """
+    if keys is not None and keys.numel() != len(prompts) * num_generations:
+        raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {num_generations} generations")
     with torch.inference_mode():
         out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
-                      stop_ids, pad_id, generator)
+                      stop_ids, pad_id, generator, keys)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return Generation(*(t.clone() for t in dataclasses.astuple(out)))
 
 
 def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
-            generator) -> Generation:
+            generator, keys) -> Generation:
     device = next(model.parameters()).device
     G = num_generations
+    keys = keys.to(device) if keys is not None else None
     p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     P = p_ids.size(1)
@@ -68,7 +75,8 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
     # worked out once afterwards, so a step costs the forward pass and little else.
     for t in range(max_new_tokens):
         steps = t + 1
-        tok, lp = sample_next(logits, temperature, top_k, top_p, generator)
+        u = token_uniforms(keys, t) if keys is not None else None
+        tok, lp = sample_next(logits, temperature, top_k, top_p, generator, u)
         out[:, t] = tok
         logps[:, t] = lp
         if len(stop_ids):

@@ -20,8 +20,9 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs` (B, V) by inverting the CDF with one uniform per row.
+def draw(probs: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of `probs` (B, V) by inverting the CDF with one uniform per row
+    (`u` (B, 1) float64 when given, e.g. keyed uniforms; else drawn from `generator`).
 
     `torch.multinomial` draws an exponential for every vocabulary entry, which on a CPU
     costs more than a tiny model's whole decode step; this needs B random numbers. The
@@ -29,20 +30,22 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     zero- or near-zero-probability tokens even over 150k-entry vocabularies.
     """
     cdf = probs.cumsum(-1, dtype=torch.float64)
-    u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)
+    if u is None:
+        u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)
+    u = u.to(probs.device)
     # first index whose CDF exceeds u * total: tokens of zero probability have an empty interval
     tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return tok.clamp_(max=probs.size(-1) - 1).squeeze(-1)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from logits (B, V).
 
     Returns (tokens (B,), logprobs (B,)). The log-prob is that of the temperature-scaled
     full distribution, log softmax(logits / T), which is exactly what the trainer
     recomputes; top-k/top-p only restrict which tokens can be drawn. temperature 0
-    means greedy, with log-probs taken at T = 1.
+    means greedy, with log-probs taken at T = 1. `u` (B, 1): the rows' uniforms, when keyed.
     """
     logits = logits.float()
     if temperature <= 0:
@@ -53,5 +56,5 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         logp = scaled.log_softmax(-1)
         filtered = top_k or top_p < 1.0
         probs = filter_logits(scaled, top_k, top_p).softmax(-1) if filtered else logp.exp()
-        tok = draw(probs, generator)
+        tok = draw(probs, generator, u)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

@@ -37,6 +37,7 @@ from ..rewards import reward_name, reward_names
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import NonFiniteLogits, generate
+from ..rollout.keys import completion_keys
 from ..logging.trackers import Trackers
 from .checkpoint import load_training_state, prune_checkpoints, save_checkpoint
 from .logprobs import completion_logprobs
@@ -70,6 +71,11 @@ class PromptSampler:
             self.index += 1
         return out
 
+    @property
+    def drawn(self) -> int:
+        """How many prompts have been drawn so far: the draw number of the next one (keys its samples)."""
+        return self.epoch * len(self.rows) + self.index
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
 
@@ -100,8 +106,8 @@ class GRPOTrainer:
             self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
         self.sampler = PromptSampler(train_rows, cfg.train.seed)
         self.device = next(model.parameters()).device
-        # each rank draws its own completions (rank 0 the 1-process stream)
-        self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed + 1_000_003 * self.world.rank)
+        # kept in checkpoints for older runs; rollouts and eval samples are keyed (rollout/keys.py) instead
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
         self.step = 0
         self.bad_steps = 0
         self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
@@ -122,17 +128,23 @@ class GRPOTrainer:
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
         r = self.cfg.rollout
+        first = self.sampler.drawn
         rows = self.sampler.next(r.prompts_per_step)   # the step's prompts: the same list on every rank
+        draws = torch.arange(first, first + len(rows))
         if self.world.size > 1:                          # this rank's share: whole groups, in order
             k = len(rows) // self.world.size
             rows = rows[self.world.rank * k:(self.world.rank + 1) * k]
+            draws = draws[self.world.rank * k:(self.world.rank + 1) * k]
         G = r.num_generations
+        # each completion's randomness is keyed by (seed, prompt draw, sample): the same completions
+        # however the step is split over ranks, and after a resume
+        keys = completion_keys(self.cfg.train.seed, draws.repeat_interleave(G), torch.arange(G).repeat(len(rows)))
         self.model.eval()
         try:
             gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                            top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids, pad_id=self.tok.pad_id,
-                           generator=self.gen)
+                           keys=keys)
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
                                 f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
@@ -349,10 +361,10 @@ class GRPOTrainer:
         """Held-out metrics. With several ranks each evaluates every N-th problem and the metrics are
         taken over all of them (every rank gets the same numbers)."""
         e, w = self.cfg.eval, self.world
-        rows = self.test_rows[w.rank::w.size] if w.size > 1 else self.test_rows
-        res = evaluate(self.model, self.tok, rows, k=e.k, temperature=e.temperature,
+        ids = list(range(w.rank, len(self.test_rows), w.size))   # every N-th problem (all of them in one process)
+        res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
                        max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
-                       seed=self.cfg.train.seed + 1_000_003 * w.rank, reward=e.reward)
+                       seed=self.cfg.train.seed, reward=e.reward, row_ids=ids)
         samples = res.pop("samples")
         if w.size == 1:
             return res

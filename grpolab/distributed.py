@@ -53,7 +53,9 @@ def init(device: str = "cpu") -> World:
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if cuda:
             torch.cuda.set_device(w.local_rank)
-        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        # with CUDA: NCCL for the gradients, gloo for the small CPU tensors (counts, rewards, flags)
+        torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                                             timeout=timedelta(seconds=TIMEOUT_S))
     return w
 
 
@@ -147,6 +149,25 @@ def broadcast_parameters(module: torch.nn.Module) -> None:
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             torch.distributed.broadcast(t.data, src=0)
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_world(world: World, prompts_per_step: int, dynamic_sampling: bool) -> str | None:
+    """What is wrong with running this config on `world` (a config error message), or None."""
+    if world.size > 1 and prompts_per_step % world.size:
+        return (f"rollout.prompts_per_step: {prompts_per_step} prompts cannot be split evenly over {world.size} "
+                f"ranks; give a multiple of {world.size}")
+    if world.size > 1 and dynamic_sampling:
+        return "algorithm.dynamic_sampling: not supported with several ranks yet; run it in one process"
+    return None
 
 
 def barrier() -> None:

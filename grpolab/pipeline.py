@@ -32,9 +32,6 @@ def setup_torch(cfg: Config) -> None:
     on one machine share its cores), MKL's dynamic threading off, seeded: same bits on an idle or
     busy machine."""
     world = distributed.init(cfg.model.device)
-    if world.size > 1 and cfg.rollout.prompts_per_step % world.size:   # before any work, not after the warm start
-        raise ConfigError(f"rollout.prompts_per_step: {cfg.rollout.prompts_per_step} prompts cannot be split "
-                          f"evenly over {world.size} ranks; give a multiple of {world.size}")
     threads = cfg.train.threads
     if world.size > 1 and not threads:
         threads = max(1, (os.cpu_count() or 1) // world.local_size)
@@ -150,7 +147,15 @@ def write_run_config(cfg: Config, run_dir: Path) -> None:
 
 def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
-    ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
+    problem = distributed.check_world(distributed.world_from_env(), cfg.rollout.prompts_per_step,
+                                      cfg.algorithm.dynamic_sampling)
+    if problem:   # before any work, not after the warm start
+        raise ConfigError(problem)
+    # rank 0 finds (and repairs) the checkpoint; the others take its answer (run_dir: a shared filesystem)
+    ckpt = None
+    if cfg.train.resume and distributed.world_from_env().main:
+        ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
+    ckpt = distributed.broadcast_object(ckpt)
     train_rows, test_rows = load_data(cfg)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
         console.info(f"resuming from {ckpt}")

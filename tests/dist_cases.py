@@ -24,8 +24,14 @@ from grpolab.train.grpo import GRPOTrainer  # noqa: E402
 
 P, G = 4, 4        # prompts per step and group size: 2 groups per rank with 2 ranks
 ESTIMATORS = [("grpo", "group"), ("grpo", "batch"), ("reinforce_baseline", "group")]
-CASES = [(loss, agg, beta, mb) for loss, agg, beta, mb in
-         itertools.product(sorted(POLICY_LOSSES), AGG_MODES, (0.0, 0.05), (0, 1))]
+CASES = [(loss, agg, beta, mb, "") for loss, agg, beta, mb in
+         itertools.product(sorted(POLICY_LOSSES), AGG_MODES, (0.0, 0.05), (0, 1))] + [
+    ("clip", "token-mean", 0.05, 0, "mu2"),                 # two optimizer passes over the batch
+    ("clip", "seq-mean-token-mean", 0.05, 1, "kl_in_reward"),
+    ("gspo", "token-mean", 0.0, 0, "unscorable"),           # some rows no reward function scored
+]
+EXTRA = {"": [], "mu2": ["algorithm.num_iterations=2"], "kl_in_reward": ["algorithm.kl_in_reward=true"],
+         "unscorable": []}
 ROWS = [{"prompt": f"Tom has {i} apples and gets {i + 2} more. How many apples?", "answer": str(2 * i + 2)}
         for i in range(P)]
 
@@ -48,14 +54,14 @@ def make(out: Path) -> None:
                 "ref": _model(1).state_dict()}, out / "rollouts.pt")
 
 
-def _case_config(i: int, loss: str, agg: str, beta: float, mb: int, out: Path):
+def _case_config(i: int, loss: str, agg: str, beta: float, mb: int, extra: str, out: Path):
     est, scale = ESTIMATORS[i % len(ESTIMATORS)]
     return load_config(None, [f"algorithm.policy_loss={loss}", f"algorithm.loss_agg_mode={agg}",
                               f"algorithm.beta={beta}", f"optim.micro_batch_size={mb}",
                               f"algorithm.adv_estimator={est}", f"algorithm.scale_rewards={scale}",
                               f"rollout.prompts_per_step={P}", f"rollout.num_generations={G}",
                               "rollout.max_new_tokens=10", "optim.lr=1e-2", "reward.functions=[length]",
-                              f"train.output_dir={out}"])
+                              f"train.output_dir={out}", *EXTRA[extra]])
 
 
 def run(data: Path, out: Path | None) -> dict:
@@ -69,24 +75,27 @@ def run(data: Path, out: Path | None) -> dict:
                                            gen.completion_mask, gen.sampler_logprobs, gen.truncated)))
     n = local.completion_ids.size(0)
     results = {}
-    for i, (loss, agg, beta, mb) in enumerate(CASES):
+    for i, (loss, agg, beta, mb, extra) in enumerate(CASES):
         model = _model(0)
         model.load_state_dict(saved["policy"])
-        tr = GRPOTrainer(_case_config(i, loss, agg, beta, mb, data), model, CharTokenizer(), ROWS, ROWS[:1], data)
+        tr = GRPOTrainer(_case_config(i, loss, agg, beta, mb, extra, data), model, CharTokenizer(), ROWS, ROWS[:1],
+                         data)
         if tr.ref is not None:
             tr.ref.load_state_dict(saved["ref"])
         batch = RolloutBatch(gen=local, group_ids=torch.arange(n // G).repeat_interleave(G), prompts=[""] * n,
                              completions=[""] * n, columns={}, rewards=saved["rewards"][rows].clone(),
-                             scorable=torch.ones(n, dtype=torch.bool))
+                             scorable=(torch.arange(len(saved["rewards"]))[rows] % 5 != 1) if extra == "unscorable"
+                             else torch.ones(n, dtype=torch.bool))
         ref_lp = tr.ref_logprobs(batch)
-        tr.advantages(batch, ref_lp)
+        adv_metrics = tr.advantages(batch, ref_lp)
         metrics = tr.update(batch, ref_lp)
         # after update() each .grad holds the (clipped) gradient the optimizer step used
-        results[(loss, agg, beta, mb)] = {"params": {k: v.clone() for k, v in model.state_dict().items()},
+        results[(loss, agg, beta, mb, extra)] = {"params": {k: v.clone() for k, v in model.state_dict().items()},
                                           "grads": {k: p.grad.clone() for k, p in model.named_parameters()
                                                     if p.grad is not None},
                                           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                                          "kl": metrics.get("kl")}
+                                          "kl": metrics.get("kl"), "kl_in_reward": adv_metrics.get("kl"),
+                                          "advantages": batch.advantages.clone()}   # this rank's rows
     if out is not None and world.main:
         torch.save(results, out)
     dist.shutdown()

@@ -32,9 +32,15 @@ def split_and_whole(tmp_path_factory):
 
 def test_update_over_two_ranks_equals_one_process(split_and_whole):
     two, one, start = split_and_whole
-    assert set(two) == set(one) == set(dist_cases.CASES) and len(one) == 64
+    assert set(two) == set(one) == set(dist_cases.CASES) and len(one) == 67
     for case in dist_cases.CASES:
         a, b = one[case], two[case]
+        # advantages from every rank's rewards: rank 0's rows are the first half of the 1-process batch
+        adv = b["advantages"]
+        assert (adv - a["advantages"][:len(adv)]).abs().max() <= 1e-6 and adv.abs().max() > 0, case
+        assert (a["kl_in_reward"] is None) == (b["kl_in_reward"] is None), case
+        if a["kl_in_reward"] is not None:
+            assert b["kl_in_reward"] == pytest.approx(a["kl_in_reward"], abs=1e-6), case
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), case
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-6), case
         assert (a["kl"] is None) == (b["kl"] is None) and (a["kl"] is None or abs(a["kl"] - b["kl"]) < 1e-6), case
@@ -124,8 +130,8 @@ def test_two_launchers_as_two_machines(tmp_path):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def _start_long_run(out):
-    """A 2-rank run that would go on for hours, once it has written 3 steps; (launcher, rank 1's pid)."""
+def _start_long_run(out, rank=1):
+    """A 2-rank run that would go on for hours, once it has written 3 steps; (launcher, `rank`'s pid)."""
     import os
     import time
     args = _small(out, "train.max_steps=100000", "sft.steps=5")
@@ -144,21 +150,23 @@ def _start_long_run(out):
         except OSError:
             return None
         return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None) if str(out) in cmd else None
-    rank1 = [int(p) for p in os.listdir("/proc") if p.isdigit() and rank_of(int(p)) == 1]
-    assert len(rank1) == 1, rank1
-    return launcher, rank1[0]
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and rank_of(int(p)) == rank]
+    assert len(pids) == 1, pids
+    return launcher, pids[0]
 
 
-def test_signal_to_one_rank_stops_all_after_the_same_step(tmp_path):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_signal_to_one_rank_stops_all_after_the_same_step(tmp_path, rank):
     import os
     import signal
     out = tmp_path / "run"
-    launcher, rank1 = _start_long_run(out)
-    os.kill(rank1, signal.SIGTERM)
+    launcher, pid = _start_long_run(out, rank)
+    os.kill(pid, signal.SIGTERM)
     _, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 130, err
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    assert err.strip().splitlines()[-1] == (f"grpolab: stopped by a signal to another rank after step {last}; "
+    by = "SIGTERM" if rank == 0 else "a signal to another rank"
+    assert err.strip().splitlines()[-1] == (f"grpolab: stopped by {by} after step {last}; "
                                             f"checkpoint saved, continue with train.resume=auto"), err
     assert (out / "checkpoints" / f"step_{last}").is_dir()
 

@@ -30,8 +30,13 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def completion_keys(seed: int, draws: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """(B,) int64 keys of completions: sample `samples[i]` of the prompt drawn `draws[i]`-th."""
+    """(B,) int64 keys of completions: sample `samples[i]` of the prompt drawn `draws[i]`-th.
+
+    Keys are 32 bits: among a million completions a few dozen share a key, and so share their
+    uniforms; their prompts differ, so their completions do too."""
     h = mix32(torch.full_like(draws, seed & _M32) ^ 0x5EED)
+    if seed >> 32:   # seeds beyond 32 bits (and negative ones) get their high bits folded in too
+        h = mix32(h ^ ((seed >> 32) & _M32))
     h = mix32(h ^ (draws & _M32))
     h = mix32(h ^ ((draws >> 32) & _M32))
     return mix32(h ^ (samples & _M32))

@@ -117,13 +117,9 @@ class GRPOTrainer:
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
 
     def _check_world(self, cfg: Config) -> None:
-        n, P = self.world.size, cfg.rollout.prompts_per_step
-        if P % n:
-            raise ConfigError(f"rollout.prompts_per_step: {P} prompts cannot be split evenly over {n} ranks; "
-                              f"give a multiple of {n}")
-        if cfg.algorithm.dynamic_sampling:
-            raise ConfigError("algorithm.dynamic_sampling: not supported with several ranks yet; run it in one "
-                              "process")
+        problem = dist.check_world(self.world, cfg.rollout.prompts_per_step, cfg.algorithm.dynamic_sampling)
+        if problem:
+            raise ConfigError(problem)
 
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
@@ -326,7 +322,9 @@ class GRPOTrainer:
             max_norm = self.cfg.optim.max_grad_norm or float("inf")
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             grad_norms.append(norm)
-            if not (math.isfinite(norm) and math.isfinite(sums["loss"])):
+            # decided on the global loss, so that every rank skips or applies the same steps
+            loss_all = dist.sum_floats(sums["loss"])[0] if self.world.size > 1 else sums["loss"]
+            if not (math.isfinite(norm) and math.isfinite(loss_all)):
                 self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
                 break
             self.opt.step()
@@ -364,7 +362,7 @@ class GRPOTrainer:
         ids = list(range(w.rank, len(self.test_rows), w.size))   # every N-th problem (all of them in one process)
         res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
                        max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
-                       seed=self.cfg.train.seed, reward=e.reward, row_ids=ids)
+                       seed=self.cfg.train.seed, reward=e.reward, row_ids=ids) if ids else {"samples": []}
         samples = res.pop("samples")
         if w.size == 1:
             return res
@@ -474,7 +472,9 @@ class GRPOTrainer:
                 if self.world.size > 1:
                     stopped = dist.sum_floats(float(stopped))[0] > 0
                 if stopped:
+                    stop.hold()     # a second signal (the launcher's, as other ranks exit) must not cut the save
                     self.save()
+                    dist.barrier()  # no rank exits before rank 0 has saved
                     raise KeyboardInterrupt(f"stopped by {stop.signal or 'a signal to another rank'} after step "
                                             f"{self.step}; checkpoint saved, continue with train.resume=auto")
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
@@ -549,11 +549,18 @@ class _StopFlag:
     def __init__(self) -> None:
         self.signal: str | None = None
         self._old: dict = {}
+        self._held = False
 
     def _handle(self, signum, _frame) -> None:
+        if self._held:                # saving the final checkpoint: let it finish
+            return
         if self.signal is not None:   # a second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
+
+    def hold(self) -> None:
+        """From now on further signals are ignored (the stop is under way)."""
+        self._held = True
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -160,13 +160,11 @@ def broadcast_object(obj):
     return box[0]
 
 
-def check_world(world: World, prompts_per_step: int, dynamic_sampling: bool) -> str | None:
+def check_world(world: World, prompts_per_step: int) -> str | None:
     """What is wrong with running this config on `world` (a config error message), or None."""
     if world.size > 1 and prompts_per_step % world.size:
         return (f"rollout.prompts_per_step: {prompts_per_step} prompts cannot be split evenly over {world.size} "
                 f"ranks; give a multiple of {world.size}")
-    if world.size > 1 and dynamic_sampling:
-        return "algorithm.dynamic_sampling: not supported with several ranks yet; run it in one process"
     return None
 
 

@@ -147,8 +147,7 @@ def write_run_config(cfg: Config, run_dir: Path) -> None:
 
 def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
-    problem = distributed.check_world(distributed.world_from_env(), cfg.rollout.prompts_per_step,
-                                      cfg.algorithm.dynamic_sampling)
+    problem = distributed.check_world(distributed.world_from_env(), cfg.rollout.prompts_per_step)
     if problem:   # before any work, not after the warm start
         raise ConfigError(problem)
     # rank 0 finds (and repairs) the checkpoint; the others take its answer (run_dir: a shared filesystem)
@@ -192,6 +191,7 @@ def _train(cfg: Config, console: Console) -> dict:
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
         _report(run_dir, console)
+    distributed.barrier()   # all ranks leave together: none tears down the group while rank 0 still writes
     return final
 
 
@@ -229,6 +229,7 @@ def _demo(cfg: Config, console: Console, t0: float) -> dict:
                       always=True)
         console.result(f"\nwall time {wall:.0f}s; summary in {run_dir / 'summary.json'}")
         _report(run_dir, console)
+    distributed.barrier()
     return summary
 
 

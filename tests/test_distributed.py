@@ -196,3 +196,45 @@ def test_unstride_restores_the_order_of_a_strided_split():
     items = list(range(11))
     for n in (1, 2, 3, 4):
         assert unstride([items[r::n] for r in range(n)]) == items
+
+
+def test_demo_with_two_ranks(tmp_path):
+    """`grpolab demo --nproc 2`: one before/after table and summary.json, from rank 0, with the same
+    numbers as the 1-process demo of the same settings."""
+    small = ["--steps", "2", "sft.steps=20", "sft.bare_steps=0", "eval.num_problems=16", "eval.k=4",
+             "train.threads=1"]
+    summaries = {}
+    for name, extra in [("one", []), ("two", ["--nproc", "2"])]:
+        res = run_cli("demo", *extra, "--out", str(tmp_path / name), *small, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert (res.stdout + res.stderr).count("metric (held-out)") == 1     # one table, not one per rank
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    for part in ("before", "after"):
+        assert summaries["two"][part] == pytest.approx(summaries["one"][part], abs=1e-9), part
+    assert summaries["two"]["steps"] == 2
+
+
+HALF = """
+def half(completions, **kwargs):
+    # informative (varied) only for completions of prompts whose text has an even length: dynamic sampling
+    # then drops some groups and samples more
+    return [float(len(c) % 3) if len(p if isinstance(p, str) else p[-1]["content"]) % 2 == 0 else 0.0
+            for p, c in zip(kwargs["prompts"], completions)]
+"""
+
+
+def test_dynamic_sampling_over_two_ranks(tmp_path):
+    """Every rank takes the same number of rounds and keeps its share: metrics.jsonl reports the
+    global count of kept groups, and the run finishes (no rank waits on a collective alone)."""
+    (tmp_path / "half.py").write_text(HALF)
+    out = tmp_path / "run"
+    res = run_cli("train", "--nproc", "2", *_small(out, "algorithm.dynamic_sampling=true",
+                                                    "algorithm.max_sampling_rounds=4", "train.max_steps=3",
+                                                    f"reward.functions=[{tmp_path / 'half.py'}:half]"), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert all(1 <= m["dynamic_sampling/rounds"] <= 4 for m in lines)
+    assert all(m["dynamic_sampling/kept_groups"] <= 4 for m in lines)
+    assert any(m["dynamic_sampling/rounds"] > 1 for m in lines)          # the filter did drop groups
+    assert all(m["frac_reward_zero_std"] > 0 for m in lines)

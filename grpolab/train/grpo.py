@@ -117,7 +117,7 @@ class GRPOTrainer:
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
 
     def _check_world(self, cfg: Config) -> None:
-        problem = dist.check_world(self.world, cfg.rollout.prompts_per_step, cfg.algorithm.dynamic_sampling)
+        problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
 
@@ -177,8 +177,10 @@ class GRPOTrainer:
     def collect(self) -> tuple[RolloutBatch, dict]:
         """Sample and score one step's batch. With dynamic sampling (DAPO), groups whose rewards
         are all equal are dropped and more prompts sampled, up to algorithm.max_sampling_rounds
-        rounds; the batch is then cut to rollout.prompts_per_step groups."""
-        a, P = self.cfg.algorithm, self.cfg.rollout.prompts_per_step
+        rounds; the batch is then cut to rollout.prompts_per_step groups. With several ranks each rank
+        keeps up to its share of the groups, and all ranks take the same number of rounds."""
+        a = self.cfg.algorithm
+        P = self.cfg.rollout.prompts_per_step // self.world.size   # this rank's groups
         stats = {"time/generate": 0.0, "time/reward": 0.0}
         self.logged_metrics = {}
         s = self.sampler
@@ -200,10 +202,14 @@ class GRPOTrainer:
             keep = self._informative(batch)
             kept.append(batch.select(keep))
             n_groups += len(torch.unique(batch.group_ids[keep]))
-            if n_groups >= P:
+            done = n_groups >= P
+            if self.world.size > 1:   # another round until every rank has its share
+                done = dist.sum_floats(float(done))[0] == self.world.size
+            if done:
                 break
         stats["dynamic_sampling/rounds"] = rnd
-        stats["dynamic_sampling/kept_groups"] = min(n_groups, P)
+        stats["dynamic_sampling/kept_groups"] = dist.sum_floats(float(min(n_groups, P)))[0] \
+            if self.world.size > 1 else min(n_groups, P)
         stats["frac_reward_zero_std"] = self._zero_std(first)   # of the first round, before filtering
         if n_groups == 0:   # nothing informative within the cap: train on the last round (zero advantages)
             return batch, stats
@@ -242,15 +248,16 @@ class GRPOTrainer:
         opts = dict(eps=a.adv_eps, unbiased_std=a.unbiased_std, scale_rewards=a.scale_rewards)
         ok, group_ids = self._scorable(batch), batch.group_ids
         if self.world.size > 1:   # every reward of the step: batch-wide statistics are over all ranks
-            B = len(batch)
+            B = len(batch)   # ranks can hold different numbers of rows (dynamic sampling)
+            start = int(dist.gather_rows(torch.tensor([B]))[:self.world.rank].sum())
             rewards, ok = dist.gather_rows(rewards), dist.gather_rows(ok)
-            group_ids = dist.gather_rows(group_ids + self.world.rank * B)   # groups stay distinct across ranks
+            group_ids = dist.gather_rows(group_ids + start)   # a rank's group ids are < its B: distinct
         if bool(ok.all()):
             adv = compute_advantages(rewards, group_ids, a.adv_estimator, **opts)
         else:   # rows no reward function scored: out of the baselines, advantage 0 (as TRL does)
             adv = torch.zeros_like(rewards)
             adv[ok] = compute_advantages(rewards[ok], group_ids[ok], a.adv_estimator, **opts)
-        batch.advantages = adv[self.world.rank * B:(self.world.rank + 1) * B] if self.world.size > 1 else adv
+        batch.advantages = adv[start:start + B] if self.world.size > 1 else adv
         return out
 
     def _micro_batches(self, n: int) -> list[slice]:

@@ -6,6 +6,7 @@ size, in one process or split over the ranks of a torchrun launch (tests/test_di
 """
 
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def run(data: Path, out: Path | None) -> dict:
                                           "advantages": batch.advantages.clone()}   # this rank's rows
     if out is not None and world.main:
         torch.save(results, out)
+    dist.barrier()    # no rank leaves while another still works
     dist.shutdown()
     return results
 
@@ -107,3 +109,6 @@ if __name__ == "__main__":
         make(Path(sys.argv[2]))
     else:
         run(Path(sys.argv[2]), Path(sys.argv[3]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)   # as grpolab's ranks do: skip C++ teardown that can abort at interpreter exit

@@ -92,7 +92,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
             return 130
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         print(f"grpolab: rank {rank} {how}; the other ranks were stopped", file=sys.stderr)
-        return 130 if code in (130, -2) else (code if 0 < code < 128 else 1)
+        return 130 if code == -2 else (code if 0 < code < 128 else 1)
     except (KeyboardInterrupt, SignalException):   # the launcher passed the signal on; rank 0 saved and said so
         return 130
 

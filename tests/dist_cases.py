@@ -12,16 +12,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from grpolab import distributed as dist  # noqa: E402
-from grpolab.algorithms.aggregate import AGG_MODES  # noqa: E402
-from grpolab.algorithms.losses import POLICY_LOSSES  # noqa: E402
-from grpolab.config import load_config  # noqa: E402
-from grpolab.models import GPT, GPTConfig, CharTokenizer  # noqa: E402
-from grpolab.rollout.batch import RolloutBatch  # noqa: E402
-from grpolab.rollout.engine import Generation, generate  # noqa: E402
-from grpolab.train.grpo import GRPOTrainer  # noqa: E402
+from grpolab import distributed as dist
+from grpolab.algorithms.aggregate import AGG_MODES
+from grpolab.algorithms.losses import POLICY_LOSSES
+from grpolab.config import load_config
+from grpolab.models import GPT, GPTConfig, CharTokenizer
+from grpolab.rollout.batch import RolloutBatch
+from grpolab.rollout.engine import Generation, generate
+from grpolab.train.grpo import GRPOTrainer
 
 P, G = 4, 4        # prompts per step and group size: 2 groups per rank with 2 ranks
 ESTIMATORS = [("grpo", "group"), ("grpo", "batch"), ("reinforce_baseline", "group")]

@@ -70,9 +70,9 @@ def verl_reward(spec: str) -> Callable:
     batch = _is_batch(fn)
     names = BATCH_ARGS if batch else SAMPLE_ARGS
     # checked once here (no columns needed): a function that cannot take verl's arguments fails at load
-    bind_keywords(fn, spec, {**dict.fromkeys(names), **reward_kwargs},
-                  hint=f"; grpolab passes verl's {'batch' if batch else 'per-sample'} arguments")
-    unknown = [k for k in reward_kwargs if k not in bind_keywords(fn, spec, {**dict.fromkeys(names), **reward_kwargs})]
+    accepted = bind_keywords(fn, spec, {**dict.fromkeys(names), **reward_kwargs},
+                             hint=f"; grpolab passes verl's {'batch' if batch else 'per-sample'} arguments")
+    unknown = [k for k in reward_kwargs if k not in accepted]
     if unknown:   # verl would raise a TypeError: a misspelt keyword must not be dropped silently
         raise RewardError(f"reward {spec!r}: {getattr(fn, '__name__', 'the function')} takes no argument "
                           f"{unknown[0]!r}; check the spelling of the keywords in the spec")

@@ -152,6 +152,10 @@ class GRPOTrainer:
             prompts=[x["prompt"] for x in rows for _ in range(G)], completions=completions,
             columns={k: [x[k] for x in rows for _ in range(G)] for k in keys})
 
+    def _reward_name(self, spec: str) -> str:
+        """The metric name of a reward column: the configured functions' unique names, else e.g. 'overlong'."""
+        return self.reward_names.get(spec) or reward_name(spec)
+
     def trainer_state(self) -> TrainerState:
         """What reward functions get as `trainer_state` (TRL passes transformers' TrainerState): the
         epoch is the train prompts' passes before this step, as transformers' state reads mid-step."""
@@ -330,8 +334,7 @@ class GRPOTrainer:
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             grad_norms.append(norm)
             # decided on the global loss, so that every rank skips or applies the same steps
-            loss_all = dist.sum_floats(sums["loss"])[0] if self.world.size > 1 else sums["loss"]
-            if not (math.isfinite(norm) and math.isfinite(loss_all)):
+            if not (math.isfinite(norm) and math.isfinite(dist.sum_floats(sums["loss"])[0])):
                 self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
                 break
             self.opt.step()
@@ -339,8 +342,7 @@ class GRPOTrainer:
         if applied:   # a skipped step leaves the schedule where it was: the next step gets this step's lr
             self.sched.step()
         self.model.eval()
-        if self.world.size > 1:
-            sums = dict(zip(sums, dist.sum_floats(*sums.values())))
+        sums = dict(zip(sums, dist.sum_floats(*sums.values())))   # over all ranks (as is, in one process)
         passes = a.num_iterations
         out = {"lr": lr, "loss": sums["loss"] / passes, "grad_norm": sum(grad_norms) / len(grad_norms),
                "entropy": sums["entropy"] / passes / max(n_tok, 1)}
@@ -398,13 +400,12 @@ class GRPOTrainer:
         r = glob(batch.rewards)[glob(self._scorable(batch))]
         lengths = glob(batch.gen.completion_mask.sum(-1).float().cpu())
         gen_tokens = float(lengths.sum())
-        zero_std = stats["frac_reward_zero_std"]
-        if self.world.size > 1:   # every rank has the same number of groups
-            zero_std = dist.sum_floats(zero_std)[0] / self.world.size
+        # every rank has the same number of groups in its first round
+        zero_std = dist.sum_floats(stats["frac_reward_zero_std"])[0] / self.world.size
         metrics = {"step": self.step, "reward": float(r.mean()) if len(r) else float("nan"),
                    "reward_std": float(r.std()) if len(r) > 1 else 0.0, "frac_reward_zero_std": zero_std}
         for spec, col in batch.reward_columns.items():
-            name = self.reward_names.get(spec) or reward_name(spec)
+            name = self._reward_name(spec)
             col = glob(col)
             valid = col[~torch.isnan(col)]
             metrics[f"rewards/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
@@ -475,10 +476,7 @@ class GRPOTrainer:
                     if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
                         self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
                 # a signal seen by any rank stops every rank after the same step
-                stopped = stop.signal is not None
-                if self.world.size > 1:
-                    stopped = dist.sum_floats(float(stopped))[0] > 0
-                if stopped:
+                if dist.sum_floats(float(stop.signal is not None))[0] > 0:
                     stop.hold()     # a second signal (the launcher's, as other ranks exit) must not cut the save
                     self.save()
                     dist.barrier()  # no rank exits before rank 0 has saved
@@ -493,7 +491,7 @@ class GRPOTrainer:
         """Append the last batch's first log.samples_per_step completions to samples.jsonl."""
         b = self.last_batch
         n = min(self.cfg.log.samples_per_step, len(b))
-        names = {spec: self.reward_names.get(spec) or reward_name(spec) for spec in b.reward_columns}
+        names = {spec: self._reward_name(spec) for spec in b.reward_columns}
         records = []
         for i in range(n):
             rewards = {}

@@ -154,6 +154,9 @@ class TrainConfig:
     #                                restores model, reference, optimizer, scheduler, RNG and data position
     keep_checkpoints: int = 3      # keep the newest N checkpoints (0 = keep all)
     max_bad_steps: int = 5         # steps with a NaN/inf loss or gradient are skipped (no update); abort after N
+    strategy: str = "ddp"          # with several ranks: ddp (every rank holds the whole model, gradients summed)
+    #                                | fsdp (FSDP2: parameters, gradients and optimizer state sharded over the
+    #                                ranks; see README "Scaling out"). One process: no effect
 
 
 @dataclass
@@ -433,6 +436,8 @@ def validate(cfg: Config) -> None:
     _need(a.ref_sync_steps >= 0, "algorithm.ref_sync_steps: must be >= 0 (0 = off)")
     _need(0 < a.ref_sync_alpha <= 1, "algorithm.ref_sync_alpha: must be in (0, 1]")
     _need(a.ref_sync_steps == 0 or a.beta > 0, "algorithm.ref_sync_steps: needs algorithm.beta > 0 (a reference)")
+
+    _choice("train.strategy", cfg.train.strategy, ("ddp", "fsdp"))
 
     o = cfg.optim
     _need(o.lr > 0, "optim.lr: must be > 0")

@@ -1,8 +1,12 @@
 """One optimizer step on fixed rollouts, for every policy loss x aggregation mode x KL x micro-batch
 size, in one process or split over the ranks of a torchrun launch (tests/test_distributed.py).
 
-    python tests/dist_cases.py make DIR          # the rollouts, rewards, policy and reference weights
-    torchrun --nproc_per_node 2 tests/dist_cases.py run DIR OUT.pt   # rank 0 writes the updated weights
+    python tests/dist_cases.py make DIR [hf]     # the rollouts, rewards, policy and reference weights
+    torchrun --nproc_per_node 2 tests/dist_cases.py run DIR OUT.pt [fsdp]   # rank 0 writes the updated weights
+
+With `hf`, the policy is a tiny Hugging Face Llama (tied embeddings) saved in DIR/llama and only
+HF_CASES run; with `fsdp`, the ranks shard it (train.strategy=fsdp) and rank 0 also writes the
+last case's checkpoint to DIR/checkpoints.
 """
 
 import itertools
@@ -13,6 +17,7 @@ from pathlib import Path
 import torch
 
 from grpolab import distributed as dist
+from grpolab import sharding
 from grpolab.algorithms.aggregate import AGG_MODES
 from grpolab.algorithms.losses import POLICY_LOSSES
 from grpolab.config import load_config
@@ -31,6 +36,9 @@ CASES = [(loss, agg, beta, mb, "") for loss, agg, beta, mb in
 ]
 EXTRA = {"": [], "mu2": ["algorithm.num_iterations=2"], "kl_in_reward": ["algorithm.kl_in_reward=true"],
          "unscorable": []}
+# FSDP on the Llama: each loss once, both micro-batch sizes, KL, two optimizer passes
+HF_CASES = [("clip", "token-mean", 0.05, 1, ""), ("gspo", "seq-mean-token-mean", 0.0, 0, ""),
+            ("cispo", "seq-mean-token-sum-norm", 0.05, 0, ""), ("clip", "token-mean", 0.05, 0, "mu2")]
 ROWS = [{"prompt": f"Tom has {i} apples and gets {i + 2} more. How many apples?", "answer": str(2 * i + 2)}
         for i in range(P)]
 
@@ -41,31 +49,49 @@ def _model(seed: int) -> GPT:
     return GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=96))
 
 
-def make(out: Path) -> None:
+def _llama(data: Path, seed: int):
+    from grpolab.models.hf import load_hf
+    policy, tok = load_hf(str(data / "llama"))
+    if seed:   # the reference: other random weights
+        torch.manual_seed(seed)
+        for p in policy.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else None
+    return policy, tok
+
+
+def make(out: Path, hf: bool = False) -> None:
     """Fixed rollouts from a random tiny policy, rewards drawn at random (so every advantage is
     non-zero), and a different reference (so the KL term has a gradient)."""
-    tok, policy = CharTokenizer(), _model(0)
+    if hf:
+        from grpolab.models.tiny_hf import save_tiny_model
+        save_tiny_model(out / "llama", vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
+        policy, tok = _llama(out, 0)
+        ref = _llama(out, 1)[0].state_dict()
+    else:
+        tok, policy = CharTokenizer(), _model(0)
+        ref = _model(1).state_dict()
     g = torch.Generator().manual_seed(0)
     gen = generate(policy, [tok.render_prompt(r["prompt"]) for r in ROWS], num_generations=G, max_new_tokens=10,
                    temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id, generator=g)
     rewards = torch.rand(P * G, generator=g)
-    torch.save({"gen": gen.__dict__, "rewards": rewards, "policy": policy.state_dict(),
-                "ref": _model(1).state_dict()}, out / "rollouts.pt")
+    torch.save({"gen": gen.__dict__, "rewards": rewards, "policy": policy.state_dict(), "ref": ref},
+               out / "rollouts.pt")
 
 
-def _case_config(i: int, loss: str, agg: str, beta: float, mb: int, extra: str, out: Path):
+def _case_config(i: int, loss: str, agg: str, beta: float, mb: int, extra: str, out: Path, strategy: str = "ddp"):
     est, scale = ESTIMATORS[i % len(ESTIMATORS)]
     return load_config(None, [f"algorithm.policy_loss={loss}", f"algorithm.loss_agg_mode={agg}",
                               f"algorithm.beta={beta}", f"optim.micro_batch_size={mb}",
                               f"algorithm.adv_estimator={est}", f"algorithm.scale_rewards={scale}",
                               f"rollout.prompts_per_step={P}", f"rollout.num_generations={G}",
                               "rollout.max_new_tokens=10", "optim.lr=1e-2", "reward.functions=[length]",
-                              f"train.output_dir={out}", *EXTRA[extra]])
+                              f"train.output_dir={out}", f"train.strategy={strategy}", *EXTRA[extra]])
 
 
-def run(data: Path, out: Path | None) -> dict:
+def run(data: Path, out: Path | None, strategy: str = "ddp") -> dict:
     """Updated weights per case; this process's share of the rows when launched with several ranks."""
     world = dist.init("cpu")
+    hf = (data / "llama").is_dir()
     saved = torch.load(data / "rollouts.pt", weights_only=False)
     gen = Generation(**saved["gen"])
     rows = slice(world.rank * len(saved["rewards"]) // world.size,
@@ -74,13 +100,16 @@ def run(data: Path, out: Path | None) -> dict:
                                            gen.completion_mask, gen.sampler_logprobs, gen.truncated)))
     n = local.completion_ids.size(0)
     results = {}
-    for i, (loss, agg, beta, mb, extra) in enumerate(CASES):
-        model = _model(0)
+    for i, (loss, agg, beta, mb, extra) in enumerate(HF_CASES if hf else CASES):
+        model, tok = _llama(data, 0) if hf else (_model(0), CharTokenizer())
         model.load_state_dict(saved["policy"])
-        tr = GRPOTrainer(_case_config(i, loss, agg, beta, mb, extra, data), model, CharTokenizer(), ROWS, ROWS[:1],
+        tr = GRPOTrainer(_case_config(i, loss, agg, beta, mb, extra, data, strategy), model, tok, ROWS, ROWS[:1],
                          data)
         if tr.ref is not None:
-            tr.ref.load_state_dict(saved["ref"])
+            if tr.sharded:
+                sharding.load_full_state_dict(tr.ref, saved["ref"])
+            else:
+                tr.ref.load_state_dict(saved["ref"])
         batch = RolloutBatch(gen=local, group_ids=torch.arange(n // G).repeat_interleave(G), prompts=[""] * n,
                              completions=[""] * n, columns={}, rewards=saved["rewards"][rows].clone(),
                              scorable=(torch.arange(len(saved["rewards"]))[rows] % 5 != 1) if extra == "unscorable"
@@ -89,12 +118,15 @@ def run(data: Path, out: Path | None) -> dict:
         adv_metrics = tr.advantages(batch, ref_lp)
         metrics = tr.update(batch, ref_lp)
         # after update() each .grad holds the (clipped) gradient the optimizer step used
-        results[(loss, agg, beta, mb, extra)] = {"params": {k: v.clone() for k, v in model.state_dict().items()},
-                                          "grads": {k: p.grad.clone() for k, p in model.named_parameters()
+        full = sharding.full_state_dict(model) if tr.sharded else model.state_dict()
+        results[(loss, agg, beta, mb, extra)] = {"params": {k: v.clone() for k, v in full.items()},
+                                          "grads": {k: _full(p.grad) for k, p in model.named_parameters()
                                                     if p.grad is not None},
                                           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                                           "kl": metrics.get("kl"), "kl_in_reward": adv_metrics.get("kl"),
                                           "advantages": batch.advantages.clone()}   # this rank's rows
+    if strategy == "fsdp":
+        tr.save()   # the last case's policy, gathered: an ordinary Hugging Face checkpoint
     if out is not None and world.main:
         torch.save(results, out)
     dist.barrier()    # no rank leaves while another still works
@@ -102,11 +134,17 @@ def run(data: Path, out: Path | None) -> dict:
     return results
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A gradient as one full tensor (a sharded one is gathered: every rank must call this)."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "make":
-        make(Path(sys.argv[2]))
+        make(Path(sys.argv[2]), hf=sys.argv[3:] == ["hf"])
     else:
-        run(Path(sys.argv[2]), Path(sys.argv[3]))
+        run(Path(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:])
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)   # as grpolab's ranks do: skip C++ teardown that can abort at interpreter exit

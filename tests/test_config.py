@@ -31,6 +31,7 @@ def test_yaml_then_overrides(tmp_path):
     ("algorithm.epsilon=1.5", "algorithm.epsilon: must be in (0, 1)"),
     ("algorithm.beta=-1", "algorithm.beta: must be >= 0"),
     ("optim.lr_schedule=step", "optim.lr_schedule: 'step' is not one of constant, linear, cosine"),
+    ("train.strategy=zero3", "train.strategy: 'zero3' is not one of ddp, fsdp"),
     ("reward.functions=[nope]", "reward.functions: unknown reward 'nope'"),
     ("reward.weights=[1.0,2.0]", "reward.weights: 2 weights for 1 functions"),
     ("train.max_steps=2.5", "train.max_steps: expected int, got 2.5"),

@@ -58,6 +58,66 @@ def test_update_over_two_ranks_equals_one_process(split_and_whole):
     assert len({round(one[c]["loss"], 6) for c in dist_cases.CASES}) > 10
 
 
+def test_fsdp_update_equals_ddp_and_one_process_on_a_tiny_llama(tmp_path):
+    """train.strategy=fsdp over 2 ranks, a tiny Hugging Face Llama with tied embeddings: the same
+    gradients and update as ddp and as one process; the gathered checkpoint is an ordinary
+    Hugging Face model directory."""
+    dist_cases.make(tmp_path, hf=True)
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        res = _torchrun(str(ROOT / "tests" / "dist_cases.py"), "run", str(tmp_path), str(tmp_path / f"{strategy}.pt"),
+                        strategy)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[strategy] = torch.load(tmp_path / f"{strategy}.pt", weights_only=False)
+    one = dist_cases.run(tmp_path, None)
+    start = torch.load(tmp_path / "rollouts.pt", weights_only=False)["policy"]
+    assert set(runs["fsdp"]) == set(runs["ddp"]) == set(one) == set(dist_cases.HF_CASES)
+    for case in dist_cases.HF_CASES:
+        a, b, f = one[case], runs["ddp"][case], runs["fsdp"][case]
+        assert set(f["params"]) == set(a["params"]) and set(f["grads"]) == set(a["grads"])
+        for name in a["params"]:
+            assert (a["params"][name] - start[name]).abs().max() > 0, (case, name)            # the step moved it
+            assert (f["params"][name] - b["params"][name]).abs().max() <= 1e-5, (case, name)  # fsdp == ddp
+            assert (f["params"][name] - a["params"][name]).abs().max() <= 1e-5, (case, name)  # == one process
+        for name in a["grads"]:
+            assert (f["grads"][name] - a["grads"][name]).abs().max() <= 1e-6, (case, name)
+        assert f["loss"] == pytest.approx(a["loss"], abs=1e-6) and f["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                  abs=1e-6), case
+    from transformers import AutoModelForCausalLM
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoints" / "step_0"))
+    last = one[dist_cases.HF_CASES[-1]]["params"]
+    state = loaded.state_dict()
+    assert {f"hf.{k}" for k in state} == set(last)
+    for k, v in state.items():
+        assert (v - last[f"hf.{k}"]).abs().max() <= 1e-5, k
+
+
+def test_fsdp_run_resumes_across_world_sizes(tmp_path):
+    """A tiny Llama trained for 3 steps in one process, and the same run as 1 process (step 1), then
+    2 fsdp ranks (step 2), then 1 process (step 3), each resuming the other's checkpoint: the same
+    rewards, losses, grad norms and KL (the reference moves to the policy every 2 steps)."""
+    from grpolab.models.tiny_hf import save_tiny_model
+    llama = save_tiny_model(tmp_path / "llama", vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
+    args = [f"model.name_or_path={llama}", "rollout.prompts_per_step=4", "rollout.num_generations=4",
+            "rollout.max_new_tokens=16", "eval.num_problems=8", "eval.k=2", "train.threads=1", "train.save_every=1",
+            "reward.functions=[length]", "algorithm.beta=0.04", "optim.lr=1e-3",
+            "algorithm.ref_sync_steps=2", "algorithm.ref_sync_alpha=0.5"]   # the sharded reference moves at step 2
+    res = run_cli("train", *args, "train.max_steps=3", f"train.output_dir={tmp_path / 'one'}", timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "mixed"
+    for steps, nproc in ((1, 1), (2, 2), (3, 1)):
+        res = run_cli("train", "--nproc", str(nproc), *args, f"train.max_steps={steps}", "train.strategy=fsdp",
+                      "train.resume=auto", f"train.output_dir={out}", timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+    one, mixed = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+                  for d in (tmp_path / "one", out))
+    assert [m["step"] for m in mixed] == [1, 2, 3]
+    for a, b in zip(one, mixed):
+        for key in ("reward", "loss", "grad_norm", "kl", "entropy"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
+    assert one[-1]["kl"] > 0 and one[-1]["grad_norm"] > 0
+
+
 def _small(out, *extra):
     return [*TINY, "rollout.prompts_per_step=4", "train.max_steps=2", "train.save_every=1", "eval.num_problems=8",
             "eval.k=2", f"train.output_dir={out}", *extra]
@@ -70,7 +130,7 @@ DEMO_SMALL = ["sft.steps=20", "sft.bare_steps=0", "train.max_steps=3", "eval.num
 def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
     """configs/demo.yaml for 3 steps, in one process and on 2 ranks, same seed: the same completions
     at step 1 (rank 0 holds the first 8 of the 16 prompts), and the same rewards, losses and grad
-    norms over the 3 steps; then one process resumes the 2-rank run."""
+    norms over the 3 steps."""
     runs = {}
     for name, extra in [("one", []), ("two", ["--nproc", "2"])]:
         out = tmp_path / name
@@ -91,14 +151,10 @@ def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
     # the split evaluation gives the 1-process numbers: every problem has the same samples either way
     assert json.loads((runs["two"] / "eval.json").read_text()) == \
         pytest.approx(json.loads((runs["one"] / "eval.json").read_text()), abs=1e-9)
+    # rank 0's checkpoint: the weights of the 1-process run
     from grpolab.train.checkpoint import load_model
-    model, _ = load_model(str(runs["two"] / "checkpoints" / "step_3"))
-    assert sum(p.numel() for p in model.parameters()) > 0
-    # resuming the 2-rank run in one process continues from its checkpoint
-    res = run_cli("train", "configs/demo.yaml", *DEMO_SMALL, "train.max_steps=4", "train.resume=auto",
-                  f"train.output_dir={runs['two']}", timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [json.loads(x)["step"] for x in (runs["two"] / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    weights = {n: load_model(str(o / "checkpoints" / "step_3"))[0].state_dict() for n, o in runs.items()}
+    assert max(float((weights["two"][k] - v).abs().max()) for k, v in weights["one"].items()) <= 1e-6
 
 
 def test_prompts_must_split_evenly_over_ranks(tmp_path):
@@ -135,8 +191,9 @@ def _start_long_run(out, rank=1):
     import os
     import time
     args = _small(out, "train.max_steps=100000", "sft.steps=5")
+    # its own session: a signal to the process group reaches the launcher and the ranks, as Ctrl-C in a terminal
     launcher = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", "--nproc", "2", *args], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
@@ -169,6 +226,29 @@ def test_signal_to_one_rank_stops_all_after_the_same_step(tmp_path, rank):
     assert err.strip().splitlines()[-1] == (f"grpolab: stopped by {by} after step {last}; "
                                             f"checkpoint saved, continue with train.resume=auto"), err
     assert (out / "checkpoints" / f"step_{last}").is_dir()
+
+
+@pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to the launcher"])
+def test_signal_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path, how):
+    """Ctrl-C in the terminal (SIGINT to the launcher and the ranks) or a scheduler's SIGTERM to the
+    launcher alone: every rank stops after the same step, rank 0 saves once, exit code 130."""
+    import os
+    import signal
+    out = tmp_path / "run"
+    launcher, _ = _start_long_run(out)
+    if how.startswith("SIGINT"):
+        os.killpg(launcher.pid, signal.SIGINT)
+    else:
+        os.kill(launcher.pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 130, err
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert err.strip().splitlines()[-1] == (f"grpolab: stopped by {how.split()[0]} after step {last}; "
+                                            f"checkpoint saved, continue with train.resume=auto"), err
+    # one checkpoint, of the last step written (save_every is 1): the stop saved it, complete
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert f"step_{last}" in ckpts and not [c for c in ckpts if not c.startswith("step_")], ckpts
+    assert json.loads((out / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())["step"] == last
 
 
 def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):

@@ -118,8 +118,9 @@ class HFPolicy(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def save(self, path: str | Path) -> None:
-        self.hf.save_pretrained(str(path), safe_serialization=True)
+    def save(self, path: str | Path, state_dict: dict | None = None) -> None:
+        """save_pretrained layout; `state_dict` (HF names) in place of the model's own, e.g. gathered shards."""
+        self.hf.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
 
 
 def _stop_ids_from(model) -> tuple[int, ...]:

@@ -48,41 +48,51 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
-                    trainer_state: dict | None = None, rng: dict | None = None, ref_model=None) -> Path:
+                    trainer_state: dict | None = None, rng: dict | None = None, ref_model=None,
+                    full_states: dict | None = None) -> Path:
     """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint, and
-    re-saving an existing step never leaves a moment without a complete one."""
+    re-saving an existing step never leaves a moment without a complete one.
+
+    full_states: for sharded models (train.strategy=fsdp), the gathered full 'model', 'ref' and
+    'optimizer' state dicts, written in place of the modules' own (sharded) ones."""
     root = Path(ckpt_root)
     final = root / f"step_{step}"
     tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                 trainer_state=trainer_state, rng=rng, ref_model=ref_model)
+                 trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states or {})
     for _ in _install(tmp, final):
         pass
     return final
 
 
 def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
-           trainer_state: dict | None = None, rng: dict | None = None, ref_model=None) -> Path:
+           trainer_state: dict | None = None, rng: dict | None = None, ref_model=None,
+           full_states: dict | None = None) -> Path:
     """Write the complete checkpoint to root/.tmp_step_N, fsynced; nothing else is touched."""
     root.mkdir(parents=True, exist_ok=True)
     recover_checkpoints(root)   # an earlier crash may have left a checkpoint aside, or a half-written one
     tmp = root / f"{TMP}step_{step}"
     tmp.mkdir()
+    full_states = full_states or {}
+    full = full_states.get("model")
     if isinstance(model, HFPolicy):
-        model.save(tmp)
+        model.save(tmp, state_dict=_hf_keys(full) if full is not None else None)
         if tokenizer is not None:
             tokenizer.save(tmp)
     else:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        state = {k: v.detach().contiguous() for k, v in (full if full is not None else model.state_dict()).items()}
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict()},
                                                           indent=2))
     # optimizer.pt and rng.pt hold only tensors and plain containers: they load with weights_only=True
     if optimizer is not None:
-        torch.save({"optimizer": optimizer.state_dict(),
+        torch.save({"optimizer": full_states.get("optimizer") or optimizer.state_dict(),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
     if rng is not None:
         torch.save(rng, tmp / "rng.pt")
-    if ref_model is not None:
+    if full_states.get("ref") is not None:   # gathered, one name per tied weight (as save_model writes it)
+        ref = full_states["ref"]
+        save_file(_hf_keys(ref) if isinstance(ref_model, HFPolicy) else ref, str(tmp / "ref.safetensors"))
+    elif ref_model is not None:
         ref = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
         save_model(ref, str(tmp / "ref.safetensors"))   # save_model handles tied (shared) weights
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
@@ -92,6 +102,20 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
                 os.fsync(fh.fileno())
     _fsync_dir(tmp)
     return tmp
+
+
+def _hf_keys(state: dict) -> dict:
+    """An HFPolicy's state dict in the Hugging Face model's own names (without the 'hf.' prefix)."""
+    return {k.removeprefix("hf."): v for k, v in state.items()}
+
+
+def read_ref_state(path: str | Path, ref_model) -> dict | None:
+    """ref.safetensors of a checkpoint, named as `ref_model`'s state dict (None when absent)."""
+    f = Path(path) / "ref.safetensors"
+    if not f.is_file():
+        return None
+    sd = load_file(str(f))
+    return {f"hf.{k}": v for k, v in sd.items()} if isinstance(ref_model, HFPolicy) else sd
 
 
 def _install(tmp: Path, final: Path) -> Iterator[None]:

@@ -31,6 +31,7 @@ from ..algorithms.ref_sync import ref_sync
 from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
 from ..algorithms.losses import compute_policy_loss
 from .. import distributed as dist
+from .. import sharding
 from ..config import Config, ConfigError
 from ..eval import evaluate, score_samples
 from ..rewards import reward_name, reward_names
@@ -39,7 +40,7 @@ from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import NonFiniteLogits, generate
 from ..rollout.keys import completion_keys
 from ..logging.trackers import Trackers
-from .checkpoint import load_training_state, prune_checkpoints, save_checkpoint
+from .checkpoint import load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs
 from .schedule import lr_factor
 
@@ -100,6 +101,13 @@ class GRPOTrainer:
         a, o = cfg.algorithm, cfg.optim
         # Frozen reference for the KL term; not kept at all when beta == 0.
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.beta > 0 else None
+        # train.strategy=fsdp: policy and reference sharded over the ranks (sharding.py); the optimizer
+        # is built on the shards
+        self.sharded = cfg.train.strategy == "fsdp" and self.world.size > 1
+        if self.sharded:
+            sharding.shard(model)
+            if self.ref is not None:
+                sharding.shard(self.ref, frozen=True)
         self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                                      weight_decay=o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -137,10 +145,11 @@ class GRPOTrainer:
         keys = completion_keys(self.cfg.train.seed, draws.repeat_interleave(G), torch.arange(G).repeat(len(rows)))
         self.model.eval()
         try:
-            gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
-                           max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                           top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids, pad_id=self.tok.pad_id,
-                           keys=keys)
+            with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
+                gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
+                               max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                               top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
+                               pad_id=self.tok.pad_id, keys=keys)
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
                                 f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
@@ -266,7 +275,11 @@ class GRPOTrainer:
 
     def _micro_batches(self, n: int) -> list[slice]:
         mb = self.cfg.optim.micro_batch_size or n
-        return [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
+        out = [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
+        if self.sharded:   # every forward is a collective: as many on every rank, padded with empty ones
+            most = int(dist.gather_rows(torch.tensor([len(out)])).max())
+            out += [slice(n, n)] * (most - len(out))
+        return out
 
     def _logprobs(self, model, g, sl: slice, **kw):
         return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
@@ -279,8 +292,9 @@ class GRPOTrainer:
         return self._frozen_logprobs(self.ref, batch.gen)
 
     def _frozen_logprobs(self, model, g) -> torch.Tensor:
-        """Log-probs of the sampled tokens without autograd bookkeeping (cheaper than no_grad)."""
-        with torch.inference_mode():
+        """Log-probs of the sampled tokens without autograd bookkeeping (inference mode is cheaper than
+        no_grad, but FSDP's gathered weights must not become inference tensors: no_grad when sharded)."""
+        with torch.no_grad() if self.sharded else torch.inference_mode():
             lp = torch.cat([self._logprobs(model, g, s) for s in self._micro_batches(g.completion_ids.size(0))])
         return lp.clone()   # a normal tensor again, usable inside the loss
 
@@ -329,9 +343,10 @@ class GRPOTrainer:
                 sums["entropy"] += float((ent.detach() * m).sum())
                 for k, v in cm.items():
                     sums[k] += v
-            dist.sum_gradients(self.model.parameters())   # the full batch's gradient on every rank
+            if not self.sharded:   # (fsdp sums each micro-batch's gradient into the shards as it goes)
+                dist.sum_gradients(self.model.parameters())   # the full batch's gradient on every rank
             max_norm = self.cfg.optim.max_grad_norm or float("inf")
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            norm = sharding.grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             grad_norms.append(norm)
             # decided on the global loss, so that every rank skips or applies the same steps
             if not (math.isfinite(norm) and math.isfinite(dist.sum_floats(sums["loss"])[0])):
@@ -369,9 +384,10 @@ class GRPOTrainer:
         taken over all of them (every rank gets the same numbers)."""
         e, w = self.cfg.eval, self.world
         ids = list(range(w.rank, len(self.test_rows), w.size))   # every N-th problem (all of them in one process)
-        res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
-                       max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
-                       seed=self.cfg.train.seed, reward=e.reward, row_ids=ids) if ids else {"samples": []}
+        with sharding.full_weights(self.model):
+            res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
+                           max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
+                           seed=self.cfg.train.seed, reward=e.reward, row_ids=ids) if ids else {"samples": []}
         samples = res.pop("samples")
         if w.size == 1:
             return res
@@ -510,7 +526,13 @@ class GRPOTrainer:
             self.console.samples(self.step, records)
 
     def save(self) -> Path | None:
-        """Write a checkpoint (rank 0 only: every rank holds the same weights and optimizer state)."""
+        """Write a checkpoint (rank 0: with ddp every rank holds the same weights and optimizer state;
+        with fsdp every rank first sends its shards to rank 0)."""
+        full = None
+        if self.sharded:
+            full = {"model": sharding.full_state_dict(self.model),
+                    "optimizer": sharding.full_optimizer_state(self.model, self.opt),
+                    "ref": sharding.full_state_dict(self.ref, tied=False) if self.ref is not None else None}
         if not self.world.main:
             return None
         rng = {"torch": torch.get_rng_state(), "generator": self.gen.get_state()}
@@ -518,7 +540,7 @@ class GRPOTrainer:
             rng["cuda"] = torch.cuda.get_rng_state_all()
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
                                optimizer=self.opt, scheduler=self.sched, rng=rng,
-                               ref_model=self.ref,
+                               ref_model=self.ref, full_states=full,
                                trainer_state={"sampler": self.sampler.state(),
                                               **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
@@ -529,8 +551,17 @@ class GRPOTrainer:
         loaded from it), reference, optimizer, scheduler, RNG states, data position, step and wandb
         run id; metrics.jsonl and samples.jsonl are cut back to that step (TensorBoard's points after
         it are dropped when training starts again)."""
-        state = load_training_state(ckpt, self.model if weights else None, self.ref)
-        self.opt.load_state_dict(state["optimizer"])
+        if self.sharded:   # full tensors from the files; each rank keeps its shard
+            state = load_training_state(ckpt)
+            if weights:
+                sharding.load_full_state_dict(self.model, load_model(ckpt)[0].state_dict())
+            ref = read_ref_state(ckpt, self.ref) if self.ref is not None else None
+            if ref is not None:
+                sharding.load_full_state_dict(self.ref, ref)
+            sharding.load_optimizer_state(self.model, self.opt, state["optimizer"])
+        else:
+            state = load_training_state(ckpt, self.model if weights else None, self.ref)
+            self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         self.gen.set_state(state["rng"]["generator"])

@@ -56,6 +56,10 @@ def _tiny_model(args) -> None:
     print(f"wrote {save_tiny_model(args.out, texts, vocab_size=args.vocab_size)}")
 
 
+# exit code of a rank that stopped only because another one failed: the launcher names the other
+LOST_A_RANK = 3
+
+
 def _launch(nproc: int, argv: list[str]) -> int:
     """Run `grpolab argv` as `nproc` local ranks with torch's elastic launcher (what torchrun
     --standalone does); its exit code. A failing rank prints its own one-line error; the launcher
@@ -87,6 +91,10 @@ def _launch(nproc: int, argv: list[str]) -> int:
         return 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        causes = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode != LOST_A_RANK)
+        if causes:   # the rank that failed first for its own reason, not one that lost it
+            rank = causes[0][1]
+            failure = e.failures[rank]
         code = failure.exitcode
         if code == 130:   # stopped by a signal: the ranks synced the stop and rank 0 said so
             return 130
@@ -159,6 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         _error(f"{e or 'interrupted'}", same_on_every_rank=True)
         return 130
+    except RuntimeError as e:
+        if args.debug or not _lost_a_rank(e):
+            raise
+        # the rank that failed says why, and the launcher names it; this one just says it stopped
+        import os
+        import re
+        why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])[:160]   # without gloo's source path
+        _error(f"[rank {os.environ.get('RANK', '0')}] stopped: another rank left the run ({why})")
+        return LOST_A_RANK
+
+
+def _lost_a_rank(e: RuntimeError) -> bool:
+    """A collective broken because another rank died or failed (under several ranks)."""
+    import os
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    import torch.distributed
+    return isinstance(e, torch.distributed.DistError) or any(
+        s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL"))
 
 
 def _error(msg: str, same_on_every_rank: bool = False) -> None:
@@ -169,7 +196,7 @@ def _error(msg: str, same_on_every_rank: bool = False) -> None:
     if size > 1 and rank > 0:
         if same_on_every_rank:
             return
-        msg = f"[rank {rank}] {msg}"
+        msg = msg if msg.startswith("[rank ") else f"[rank {rank}] {msg}"
     print(f"grpolab: {msg}", file=sys.stderr)
 
 

@@ -35,10 +35,12 @@ CASES = [(loss, agg, beta, mb, "") for loss, agg, beta, mb in
     ("gspo", "token-mean", 0.0, 0, "unscorable"),           # some rows no reward function scored
 ]
 EXTRA = {"": [], "mu2": ["algorithm.num_iterations=2"], "kl_in_reward": ["algorithm.kl_in_reward=true"],
-         "unscorable": []}
-# FSDP on the Llama: each loss once, both micro-batch sizes, KL, two optimizer passes
+         "unscorable": [], "uneven": []}
+# FSDP on the Llama: each loss once, both micro-batch sizes, KL, two optimizer passes, uneven rows
 HF_CASES = [("clip", "token-mean", 0.05, 1, ""), ("gspo", "seq-mean-token-mean", 0.0, 0, ""),
-            ("cispo", "seq-mean-token-sum-norm", 0.05, 0, ""), ("clip", "token-mean", 0.05, 0, "mu2")]
+            ("cispo", "seq-mean-token-sum-norm", 0.05, 0, ""), ("clip", "token-mean", 0.05, 0, "mu2"),
+            # 12 micro-batches on rank 0, 4 on rank 1: rank 1 runs 8 empty ones for the collectives
+            ("clip", "seq-mean-token-mean", 0.05, 1, "uneven")]
 ROWS = [{"prompt": f"Tom has {i} apples and gets {i + 2} more. How many apples?", "answer": str(2 * i + 2)}
         for i in range(P)]
 
@@ -94,13 +96,16 @@ def run(data: Path, out: Path | None, strategy: str = "ddp") -> dict:
     hf = (data / "llama").is_dir()
     saved = torch.load(data / "rollouts.pt", weights_only=False)
     gen = Generation(**saved["gen"])
-    rows = slice(world.rank * len(saved["rewards"]) // world.size,
-                 (world.rank + 1) * len(saved["rewards"]) // world.size)
-    local = Generation(*(t[rows] for t in (gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
-                                           gen.completion_mask, gen.sampler_logprobs, gen.truncated)))
-    n = local.completion_ids.size(0)
+    N = len(saved["rewards"])
     results = {}
     for i, (loss, agg, beta, mb, extra) in enumerate(HF_CASES if hf else CASES):
+        # this rank's rows: an even split, or (uneven) 3 groups on rank 0 and 1 on rank 1
+        cuts = [0, 3 * G, N] if extra == "uneven" and world.size == 2 else \
+            [r * N // world.size for r in range(world.size + 1)]
+        rows = slice(cuts[world.rank], cuts[world.rank + 1])
+        local = Generation(*(t[rows] for t in (gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
+                                               gen.completion_mask, gen.sampler_logprobs, gen.truncated)))
+        n = local.completion_ids.size(0)
         model, tok = _llama(data, 0) if hf else (_model(0), CharTokenizer())
         model.load_state_dict(saved["policy"])
         tr = GRPOTrainer(_case_config(i, loss, agg, beta, mb, extra, data, strategy), model, tok, ROWS, ROWS[:1],
@@ -112,7 +117,7 @@ def run(data: Path, out: Path | None, strategy: str = "ddp") -> dict:
                 tr.ref.load_state_dict(saved["ref"])
         batch = RolloutBatch(gen=local, group_ids=torch.arange(n // G).repeat_interleave(G), prompts=[""] * n,
                              completions=[""] * n, columns={}, rewards=saved["rewards"][rows].clone(),
-                             scorable=(torch.arange(len(saved["rewards"]))[rows] % 5 != 1) if extra == "unscorable"
+                             scorable=(torch.arange(N)[rows] % 5 != 1) if extra == "unscorable"
                              else torch.ones(n, dtype=torch.bool))
         ref_lp = tr.ref_logprobs(batch)
         adv_metrics = tr.advantages(batch, ref_lp)

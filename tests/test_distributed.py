@@ -271,6 +271,29 @@ def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, last + 3))
 
 
+RANK_ONE_FAILS = """
+import os
+def picky(completions, **kwargs):
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one dislikes this batch")
+    return [0.0] * len(completions)
+"""
+
+
+def test_exception_on_one_rank_stops_the_run_with_its_own_error(tmp_path):
+    """A reward function that raises on rank 1 only: rank 1 says why in one line, rank 0 says it
+    stopped because a rank left (no traceback), and the launcher names rank 1, not rank 0."""
+    (tmp_path / "picky.py").write_text(RANK_ONE_FAILS)
+    res = run_cli("train", "--nproc", "2", *_small(tmp_path / "run", "sft.steps=5",
+                                                    f"reward.functions=[{tmp_path / 'picky.py'}:picky]"), timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = [x for x in res.stderr.splitlines() if x.startswith("grpolab:")]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert any(x.startswith("grpolab: [rank 1] reward error: reward function") and "rank one dislikes this batch" in x
+               for x in lines), lines
+    assert lines[-1] == "grpolab: rank 1 exited with code 2; the other ranks were stopped", lines
+
+
 def test_unstride_restores_the_order_of_a_strided_split():
     from grpolab.distributed import unstride
     items = list(range(11))

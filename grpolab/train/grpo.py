@@ -273,13 +273,15 @@ class GRPOTrainer:
         batch.advantages = adv[start:start + B] if self.world.size > 1 else adv
         return out
 
-    def _micro_batches(self, n: int) -> list[slice]:
+    def _micro_batches(self, n: int) -> tuple[list[slice], int]:
+        """Row slices of at most optim.micro_batch_size rows, and how many stand-in passes to add.
+
+        Sharded, every forward and backward is a collective, so every rank must run as many; a rank
+        with fewer rows (dynamic sampling) adds stand-ins: its first row again, with no weight."""
         mb = self.cfg.optim.micro_batch_size or n
         out = [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
-        if self.sharded:   # every forward is a collective: as many on every rank, padded with empty ones
-            most = int(dist.gather_rows(torch.tensor([len(out)])).max())
-            out += [slice(n, n)] * (most - len(out))
-        return out
+        extra = int(dist.gather_rows(torch.tensor([len(out)])).max()) - len(out) if self.sharded else 0
+        return out, extra
 
     def _logprobs(self, model, g, sl: slice, **kw):
         return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
@@ -295,7 +297,10 @@ class GRPOTrainer:
         """Log-probs of the sampled tokens without autograd bookkeeping (inference mode is cheaper than
         no_grad, but FSDP's gathered weights must not become inference tensors: no_grad when sharded)."""
         with torch.no_grad() if self.sharded else torch.inference_mode():
-            lp = torch.cat([self._logprobs(model, g, s) for s in self._micro_batches(g.completion_ids.size(0))])
+            slices, extra = self._micro_batches(g.completion_ids.size(0))
+            lp = torch.cat([self._logprobs(model, g, s) for s in slices])
+            for _ in range(extra):
+                self._logprobs(model, g, slice(0, 1))
         return lp.clone()   # a normal tensor again, usable inside the loss
 
     def update(self, batch: RolloutBatch, ref_lp: torch.Tensor | None = None) -> dict:
@@ -307,7 +312,7 @@ class GRPOTrainer:
         mask = loss_mask.float()
         # the global batch's counts: each rank's loss is its share of one loss over every rank's tokens
         n_tok, n_seq = dist.sum_floats(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
-        slices = self._micro_batches(len(batch))
+        slices, extra = self._micro_batches(len(batch))
         agg = dict(global_tokens=n_tok, global_seqs=n_seq, max_new_tokens=self.cfg.rollout.max_new_tokens)
 
         # Old-policy log-probs in a no-grad pass. With mu == 1 the old policy is the current one,
@@ -343,6 +348,9 @@ class GRPOTrainer:
                 sums["entropy"] += float((ent.detach() * m).sum())
                 for k, v in cm.items():
                     sums[k] += v
+            for _ in range(extra):   # stand-ins: a backward (FSDP's gradient reduction) that adds zero
+                logp = self._logprobs(self.model, g, slice(0, 1))
+                (logp.sum() * 0.0).backward()
             if not self.sharded:   # (fsdp sums each micro-batch's gradient into the shards as it goes)
                 dist.sum_gradients(self.model.parameters())   # the full batch's gradient on every rank
             max_norm = self.cfg.optim.max_grad_norm or float("inf")

@@ -29,6 +29,9 @@ class ModelConfig:
     dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and compute; HF models)
     device: str = "cpu"            # cpu | cuda | cuda:N | auto (cuda when available)
     trust_remote_code: bool = False  # HF models: allow custom modelling code from the model repo
+    gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward
+    #                                instead of keeping them (HF's own switch; torch.utils.checkpoint per
+    #                                block for the built-in GPT): less memory, about a third more update time
     n_layer: int = 4               # builtin only: transformer blocks
     n_head: int = 4                # builtin only: attention heads (n_embd / n_head must be an even integer: RoPE)
     n_embd: int = 128              # builtin only: width
@@ -138,6 +141,10 @@ class OptimConfig:
     lr_schedule: str = "constant"  # constant | linear | cosine (decay to 0 at train.max_steps)
     max_grad_norm: float = 1.0     # gradient clipping; 0 = off
     micro_batch_size: int = 0      # rows per forward/backward; 0 = whole batch at once
+    logprob_chunk: int | None = None  # completion positions per chunk of the head + log-softmax + entropy,
+    #                                each chunk recomputed in the backward: no (rows, length, vocab) float32
+    #                                logits are kept (README "Memory"); 0 = all positions at once; null =
+    #                                32 for vocabularies of 4096 tokens or more, else 0
 
 
 @dataclass
@@ -441,6 +448,8 @@ def validate(cfg: Config) -> None:
 
     o = cfg.optim
     _need(o.lr > 0, "optim.lr: must be > 0")
+    _need(o.logprob_chunk is None or o.logprob_chunk >= 0,
+          "optim.logprob_chunk: must be >= 0 (0 = all positions at once) or null (by vocabulary size)")
     _need(o.weight_decay >= 0, "optim.weight_decay: must be >= 0")
     _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/optim.beta2: must be in [0, 1)")
     _need(o.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")

@@ -12,4 +12,22 @@ def build_builtin(model_cfg, tokenizer: CharTokenizer) -> GPT:
                          n_embd=model_cfg.n_embd, block_size=model_cfg.block_size))
 
 
-__all__ = ["GPT", "GPTConfig", "CharTokenizer", "build_builtin"]
+def set_gradient_checkpointing(model, on: bool) -> None:
+    """Activation checkpointing on or off: HF's own switch (non-reentrant), or per block for the GPT.
+    It acts only in training mode with autograd on; sampling and no-grad passes are unchanged."""
+    hf = getattr(model, "hf", None)
+    if hf is None:
+        model.gradient_checkpointing = on
+        return
+    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    # transformers >= 5.x names it activation checkpointing; older releases only have gradient_checkpointing_*
+    if on:
+        if hasattr(base, "activation_checkpointing_enable"):
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        (getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable)()
+
+
+__all__ = ["GPT", "GPTConfig", "CharTokenizer", "build_builtin", "set_gradient_checkpointing"]

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .attention import cache_mask, rotate
 
@@ -96,6 +97,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.gradient_checkpointing = False
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -123,8 +125,9 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, batch, c.n_head, max_len, c.n_embd // c.n_head, p.dtype, p.device)
 
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
-                cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, logits_to_keep: int = 0, hidden: bool = False) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T); only the last `logits_to_keep` positions when > 0.
+        With `hidden`, the normed hidden states (B, T, n_embd) that `head` turns into logits.
 
         key_valid: (B, T) bool, False at padding. With `cache`, idx holds the next T
         tokens after `cache.pos`; their validity is recorded in the cache.
@@ -145,13 +148,22 @@ class GPT(nn.Module):
         mask = cache_mask(keys, start, end, decode)
         cos, sin = self.cos[:, start:end], self.sin[:, start:end]
         x = self.wte(idx)
+        # activation checkpointing (model.gradient_checkpointing): keep only each block's input for the
+        # backward and recompute the block there
+        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, cache, i)
+            x = checkpoint(block, x, cos, sin, mask, None, i, use_reentrant=False) if ckpt else \
+                block(x, cos, sin, mask, cache, i)
         if cache is not None:
             cache.pos = end
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(_rms_norm(x))
+        x = _rms_norm(x)
+        return x if hidden else self.lm_head(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from `forward(..., hidden=True)`'s output (the final norm is already applied)."""
+        return self.lm_head(h)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -78,6 +78,10 @@ class HFCache:
         return self
 
 
+# architectures whose logits are lm_head(last hidden state), nothing more (no soft-capping, no scale)
+PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "smollm3"})
+
+
 class HFPolicy(nn.Module):
     """An `AutoModelForCausalLM` with the engine's calling convention."""
 
@@ -94,9 +98,25 @@ class HFPolicy(nn.Module):
         from transformers import DynamicCache
         return HFCache(DynamicCache(config=self.hf.config))
 
+    @property
+    def has_plain_head(self) -> bool:
+        """Whether logits are exactly the output embedding applied to the decoder's last hidden state
+        (no soft-capping or scaling), so `forward(hidden=True)` + `head` may stand in for the logits."""
+        return self.config.model_type in PLAIN_HEAD_TYPES
+
+    def _causal_lm(self):
+        """The transformers model itself (under a peft wrapper, the base model with its adapters)."""
+        return self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from `forward(..., hidden=True)`'s output."""
+        return self._causal_lm().get_output_embeddings()(h)
+
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
-                cache: HFCache | LeanCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
-        """Logits (B, T, V), or of the last `logits_to_keep` positions. Semantics as `GPT.forward`."""
+                cache: HFCache | LeanCache | None = None, logits_to_keep: int = 0,
+                hidden: bool = False) -> torch.Tensor:
+        """Logits (B, T, V), or of the last `logits_to_keep` positions. Semantics as `GPT.forward`.
+        With `hidden` (models with `has_plain_head`, no cache), the decoder's last hidden states instead."""
         if isinstance(cache, LeanCache):
             return cache.decoder.forward(idx, key_valid, cache, logits_to_keep)
         if key_valid is None:
@@ -104,6 +124,10 @@ class HFPolicy(nn.Module):
         valid = key_valid.long()
         start = cache.count if cache is not None and cache.count is not None else torch.zeros_like(valid[:, 0])
         pos = (start[:, None] + valid.cumsum(-1) - 1).clamp(min=0)
+        if hidden:
+            h = self._causal_lm().base_model(input_ids=idx, attention_mask=valid, position_ids=pos,
+                                              use_cache=False).last_hidden_state
+            return h[:, -logits_to_keep:] if logits_to_keep else h
         if cache is None:
             out = self.hf(input_ids=idx, attention_mask=valid, position_ids=pos, use_cache=False,
                           logits_to_keep=logits_to_keep)

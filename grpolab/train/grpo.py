@@ -40,8 +40,9 @@ from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import NonFiniteLogits, generate
 from ..rollout.keys import completion_keys
 from ..logging.trackers import Trackers
+from ..models import set_gradient_checkpointing
 from .checkpoint import load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, logprob_chunk
 from .schedule import lr_factor
 
 
@@ -95,6 +96,9 @@ class GRPOTrainer:
             dist.broadcast_parameters(model)   # every rank starts from rank 0's policy, bit for bit
         if hasattr(model, "lean_decode"):   # Hugging Face policies: which sampling path to use
             model.lean_decode = cfg.rollout.lean_decode
+        if cfg.model.gradient_checkpointing:
+            set_gradient_checkpointing(model, True)
+        self.logprob_chunk = logprob_chunk(cfg.optim.logprob_chunk, model.config.vocab_size)
         self.test_rows = test_rows[:cfg.eval.num_problems]
         self.run_dir = Path(run_dir)
         self.console = console
@@ -285,7 +289,8 @@ class GRPOTrainer:
 
     def _logprobs(self, model, g, sl: slice, **kw):
         return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
-                                   g.completion_mask[sl], self.cfg.rollout.temperature, **kw)
+                                   g.completion_mask[sl], self.cfg.rollout.temperature,
+                                   chunk=self.logprob_chunk, **kw)
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""

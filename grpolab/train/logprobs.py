@@ -2,20 +2,42 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..utils.padding import pad_to_width
 
 
+# optim.logprob_chunk null: chunks of this many positions from this vocabulary size on (below it the
+# full logits are small and one pass is quicker)
+AUTO_CHUNK, AUTO_CHUNK_VOCAB = 32, 4096
+
+
+def logprob_chunk(setting: int | None, vocab_size: int) -> int:
+    """Positions per log-prob chunk for optim.logprob_chunk (None: by vocabulary size)."""
+    if setting is not None:
+        return setting
+    return AUTO_CHUNK if vocab_size >= AUTO_CHUNK_VOCAB else 0
+
+
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False):
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                        chunk: int = 0):
     """log softmax(logits / T) of each completion token, (B, C); 0 at masked positions.
 
     One forward over [left-padded prompt | completion]; the logits at position j predict
     token j+1, so completion token t is scored by the logits at P - 1 + t. With
     with_entropy, also returns the per-token entropy of that distribution (differentiable only
     with entropy_grad, for an entropy bonus).
+
+    chunk > 0 (optim.logprob_chunk): the model returns hidden states and the head, log-softmax and
+    entropy run over `chunk` positions at a time; with autograd each chunk is recomputed in the
+    backward (torch.utils.checkpoint) instead of kept. So no (B, C, V) float32 tensor lives
+    longer than one chunk: peak memory stops growing with vocabulary x completion length. The
+    values are the same, position by position.
     """
     # Drop columns that are padding in every row (prompts are left-padded, completions right-padded),
     # so a micro-batch of short sequences costs what its own lengths cost. Positions come from the
@@ -30,15 +52,38 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     valid = torch.cat([prompt_mask, completion_mask], dim=1)
     C = completion_ids.size(1)
-    # the last C positions of ids[:, :-1] are P-1 .. P+C-2: exactly the ones that predict the completion
-    logits = model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = logits.log_softmax(-1)
-    logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1)
+    want_grad = torch.is_grad_enabled()
+    if chunk > 0 and getattr(model, "has_plain_head", True) and hasattr(model, "head"):
+        # the last C positions of ids[:, :-1] are P-1 .. P+C-2: exactly the ones that predict the completion
+        h = model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C, hidden=True)
+        parts = []
+        for i in range(0, C, chunk):
+            args = (h[:, i:i + chunk], completion_ids[:, i:i + chunk])
+            fn = functools.partial(_score, model.head, temperature=temperature, with_entropy=with_entropy,
+                                   entropy_grad=entropy_grad)
+            parts.append(checkpoint(fn, *args, use_reentrant=False) if want_grad else fn(*args))
+        logp = torch.cat([p[0] for p in parts], dim=1)
+        entropy = torch.cat([p[1] for p in parts], dim=1) if with_entropy else None
+    else:
+        logits = model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C)
+        logp, entropy = _score(lambda x: x, logits, completion_ids, temperature=temperature,
+                               with_entropy=with_entropy, entropy_grad=entropy_grad)
     logp = pad_to_width(logp * completion_mask, C_full, 0.0)
     if not with_entropy:
         return logp
+    return logp, pad_to_width(entropy, C_full, 0.0)
+
+
+def _score(head, h: torch.Tensor, ids: torch.Tensor, *, temperature: float, with_entropy: bool,
+           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of `ids`, entropy or None) from hidden states `h` through `head`, in float32."""
+    logits = head(h).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
+    if not with_entropy:
+        return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, pad_to_width(entropy, C_full, 0.0)
+    return logp, entropy

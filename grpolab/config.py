@@ -29,6 +29,12 @@ class ModelConfig:
     dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and compute; HF models)
     device: str = "cpu"            # cpu | cuda | cuda:N | auto (cuda when available)
     trust_remote_code: bool = False  # HF models: allow custom modelling code from the model repo
+    lora_rank: int = 0             # LoRA adapters of this rank on the blocks' linear layers (peft); only they
+    #                                are trained and the reference is the model with them off; 0 = full fine-tuning
+    lora_alpha: float = 32.0       # LoRA scaling: the adapter's update is multiplied by lora_alpha / lora_rank
+    lora_dropout: float = 0.0      # dropout on the adapters' input while training
+    lora_target_modules: list | None = None  # names of the linear layers to adapt (e.g. [q_proj, v_proj]);
+    #                                null = every nn.Linear inside the transformer blocks (not embeddings/head)
     gradient_checkpointing: bool = False  # recompute each transformer block's activations in the backward
     #                                instead of keeping them (HF's own switch; torch.utils.checkpoint per
     #                                block for the built-in GPT): less memory, about a third more update time
@@ -368,6 +374,12 @@ def validate(cfg: Config) -> None:
           f"model.device: {m.device!r} is not one of cpu, cuda, cuda:N, auto")
     for k in ("n_layer", "n_head", "n_embd", "block_size"):
         _need(getattr(m, k) >= 1, f"model.{k}: must be >= 1")
+    _need(m.lora_rank >= 0, "model.lora_rank: must be >= 0 (0 = full fine-tuning)")
+    _need(m.lora_alpha > 0, "model.lora_alpha: must be > 0")
+    _need(0 <= m.lora_dropout < 1, "model.lora_dropout: must be in [0, 1)")
+    _need(m.lora_target_modules is None or (len(m.lora_target_modules) > 0 and all(
+        isinstance(x, str) and x for x in m.lora_target_modules)),
+          "model.lora_target_modules: give a list of layer names such as [q_proj, v_proj], or null for all")
     _need(m.n_embd % m.n_head == 0 and (m.n_embd // m.n_head) % 2 == 0,
           f"model.n_embd: {m.n_embd} must be a multiple of 2*model.n_head ({2 * m.n_head}) for RoPE")
 
@@ -445,6 +457,11 @@ def validate(cfg: Config) -> None:
     _need(a.ref_sync_steps == 0 or a.beta > 0, "algorithm.ref_sync_steps: needs algorithm.beta > 0 (a reference)")
 
     _choice("train.strategy", cfg.train.strategy, ("ddp", "fsdp"))
+    _need(not (m.lora_rank and cfg.train.strategy == "fsdp"),
+          "train.strategy: fsdp with model.lora_rank > 0 is not supported; use ddp (LoRA's trained weights are small)")
+    _need(not (m.lora_rank and a.ref_sync_steps),
+          "algorithm.ref_sync_steps: with model.lora_rank > 0 the reference is the base model (adapters off), "
+          "which cannot move; set algorithm.ref_sync_steps=0")
 
     o = cfg.optim
     _need(o.lr > 0, "optim.lr: must be > 0")

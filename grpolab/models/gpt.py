@@ -87,10 +87,18 @@ class Block(nn.Module):
             cache.kv[layer, :, :, p:p + T] = kv
             kv = cache.kv[layer, :, :, :p + T]
         y = F.scaled_dot_product_attention(q, kv[:, :H], kv[:, H:], attn_mask=mask)
-        # residual adds inside the matmuls (addmm): one op instead of two
-        x = torch.addmm(x.view(B * T, C), y.transpose(1, 2).reshape(B * T, C), self.proj.weight.t())
+        # residual adds inside the matmuls (addmm): one op instead of two; a LoRA-wrapped projection
+        # (model.lora_rank) is called as a module so that its adapter counts
+        x = _residual(x.view(B * T, C), y.transpose(1, 2).reshape(B * T, C), self.proj)
         h = F.gelu(self.fc(_rms_norm(x)))
-        return torch.addmm(x, h, self.fc_out.weight.t()).view(B, T, C)
+        return _residual(x, h, self.fc_out).view(B, T, C)
+
+
+def _residual(x: torch.Tensor, h: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """x + linear(h), as one addmm for a plain bias-free nn.Linear."""
+    if type(linear) is nn.Linear:
+        return torch.addmm(x, h, linear.weight.t())
+    return x + linear(h)
 
 
 class GPT(nn.Module):

@@ -190,3 +190,20 @@ def load_hf(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     model.to(resolve_device(device))
     model.eval()
     return HFPolicy(model), HFTokenizer(tok, extra_stop_ids=_stop_ids_from(model))
+
+
+def load_hf_adapter(path: str, dtype: str = "float32", device: str = "cpu") -> tuple[HFPolicy, HFTokenizer]:
+    """A LoRA checkpoint (peft's adapter layout): its base model, named in adapter_config.json, with
+    the adapter on top, trainable."""
+    import json
+
+    from peft import PeftModel
+    base = json.loads((Path(path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise FileNotFoundError(f"{path!r}: adapter_config.json names no base_model_name_or_path")
+    try:
+        policy, tok = load_hf(base, dtype=dtype, device=device)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path!r} is a LoRA adapter of {base!r}, which cannot be loaded: {e}") from None
+    policy.hf = PeftModel.from_pretrained(policy.hf, path, is_trainable=True)
+    return policy, tok

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_safetensors_model
 
 from ..models import GPT, GPTConfig, CharTokenizer
-from ..models.hf import HFPolicy, load_hf
+from ..models.hf import HFPolicy, load_hf, load_hf_adapter
+from ..models.lora import add_lora
 
 TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
 ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N
@@ -81,8 +82,9 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
     else:
         state = {k: v.detach().contiguous() for k, v in (full if full is not None else model.state_dict()).items()}
         save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict()},
-                                                          indent=2))
+        lora = {"lora": model.lora} if getattr(model, "lora", None) else {}   # its adapters' settings
+        (tmp / "model_config.json").write_text(json.dumps({"type": "builtin-gpt", **model.config.to_dict(),
+                                                           **lora}, indent=2))
     # optimizer.pt and rng.pt hold only tensors and plain containers: they load with weights_only=True
     if optimizer is not None:
         torch.save({"optimizer": full_states.get("optimizer") or optimizer.state_dict(),
@@ -170,11 +172,16 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     if not cfg_file.is_file():
         if (p / "config.json").is_file():
             return load_hf(str(p), dtype=dtype, device=device)
-        raise FileNotFoundError(f"{str(p)!r} is not a checkpoint: no model_config.json (built-in GPT) "
-                                f"or config.json (Hugging Face model)")
+        if (p / "adapter_config.json").is_file():   # a LoRA checkpoint of a Hugging Face model
+            return load_hf_adapter(str(p), dtype=dtype, device=device)
+        raise FileNotFoundError(f"{str(p)!r} is not a checkpoint: no model_config.json (built-in GPT), "
+                                f"config.json (Hugging Face model) or adapter_config.json (LoRA adapter)")
     meta = json.loads(cfg_file.read_text())
     meta.pop("type", None)
+    lora = meta.pop("lora", None)
     model = GPT(GPTConfig(**meta))
+    if lora:
+        add_lora(model, lora)
     model.load_state_dict(load_file(str(p / "model.safetensors")))
     model.to(device).eval()
     return model, CharTokenizer()

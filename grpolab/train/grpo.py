@@ -41,6 +41,7 @@ from ..rollout.engine import NonFiniteLogits, generate
 from ..rollout.keys import completion_keys
 from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
+from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .checkpoint import load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
 from .schedule import lr_factor
@@ -103,8 +104,13 @@ class GRPOTrainer:
         self.run_dir = Path(run_dir)
         self.console = console
         a, o = cfg.algorithm, cfg.optim
-        # Frozen reference for the KL term; not kept at all when beta == 0.
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.beta > 0 else None
+        # LoRA (model.lora_rank): adapters on the blocks, the rest frozen; a checkpoint may bring its own
+        if cfg.model.lora_rank and not has_lora(model):
+            add_lora(model, lora_config(cfg.model, model))
+        self.lora = has_lora(model)
+        # Frozen reference for the KL term; not kept at all when beta == 0. With LoRA it is the policy
+        # with its adapters off: no second copy.
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.beta > 0 and not self.lora else None
         # train.strategy=fsdp: policy and reference sharded over the ranks (sharding.py); the optimizer
         # is built on the shards
         self.sharded = cfg.train.strategy == "fsdp" and self.world.size > 1
@@ -112,8 +118,9 @@ class GRPOTrainer:
             sharding.shard(model)
             if self.ref is not None:
                 sharding.shard(self.ref, frozen=True)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
-                                     weight_decay=o.weight_decay)
+        # the trained parameters only (all of them, or LoRA's adapters): no optimizer state for frozen ones
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
+                                     betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
         self.sampler = PromptSampler(train_rows, cfg.train.seed)
@@ -294,6 +301,9 @@ class GRPOTrainer:
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
+        if self.lora and self.cfg.algorithm.beta > 0:   # the base model: the policy with its adapters off
+            with adapters_off(self.model):
+                return self._frozen_logprobs(self.model, batch.gen)
         if self.ref is None:
             return None
         return self._frozen_logprobs(self.ref, batch.gen)
@@ -322,7 +332,7 @@ class GRPOTrainer:
 
         # Old-policy log-probs in a no-grad pass. With mu == 1 the old policy is the current one,
         # so the ratio is exactly 1 and old log-probs are the detached logp.
-        kl_in_loss = self.ref is not None and not a.kl_in_reward
+        kl_in_loss = a.beta > 0 and not a.kl_in_reward
         old_lp = None
         if a.num_iterations > 1:
             self.model.eval()

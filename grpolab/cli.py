@@ -1,4 +1,4 @@
-"""Command line: grpolab demo | train | eval. Thin: parse, build the config, call the pipeline."""
+"""Command line: grpolab demo | train | eval | export | report | tiny-model. Thin: parse, build the config, call the pipeline."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="write RUN_DIR/report.html: plots of metrics.jsonl and sampled completions")
     r.add_argument("run_dir", help="a run directory (train.output_dir or the demo's --out)")
+
+    x = sub.add_parser("export", help="write a standalone Hugging Face model directory from a checkpoint")
+    x.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N)")
+    x.add_argument("out_dir", help="new directory for the model (weights, config, tokenizer)")
+    x.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights "
+                   "(without: a LoRA checkpoint of an HF model exports as peft's adapter directory)")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (default float32)")
 
     m = sub.add_parser("tiny-model", help="write a tiny random Llama + BPE tokenizer (HF layout) for CPU runs")
     m.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         from .rewards.errors import RewardError
         from .train.checkpoint import CheckpointError
         from .train.grpo import TrainingError
+        from .export import ExportError
 
         if args.command == "demo":
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
@@ -147,13 +156,16 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(args.run_dir))
         elif args.command == "tiny-model":
             _tiny_model(args)
+        elif args.command == "export":
+            from .export import export
+            print(export(args.checkpoint, args.out_dir, merge=args.merge, dtype=args.dtype))
         return 0
     except ConfigError as e:
         if args.debug:
             raise
         _error(f"config error: {e}", same_on_every_rank=True)
         return 2
-    except (DataError, RewardError, TrainingError, CheckpointError) as e:
+    except (DataError, RewardError, TrainingError, CheckpointError, ExportError) as e:
         if args.debug:
             raise
         _error(f"{type(e).__name__.replace('Error', '').lower()} error: {e}",

@@ -26,7 +26,8 @@ class ModelConfig:
     name_or_path: str = "builtin"  # "builtin" = the tiny GPT with the character tokenizer; otherwise a
     #                                Hugging Face causal LM: local directory or hub id (no warm start)
     init_from: str | None = None   # checkpoint dir (…/checkpoints/step_N) to start from; skips sft
-    dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and compute; HF models)
+    dtype: str = "float32"         # float32 | bfloat16 | float16 (weights and compute; HF models); the optimizer
+    #                                steps float32 master copies and the loss arithmetic is float32
     device: str = "cpu"            # cpu | cuda | cuda:N | auto (cuda when available)
     trust_remote_code: bool = False  # HF models: allow custom modelling code from the model repo
     lora_rank: int = 0             # LoRA adapters of this rank on the blocks' linear layers (peft); only they

@@ -5,7 +5,8 @@ Layout of checkpoints/step_N/:
     model_config.json      built-in GPT: architecture ({"type": "builtin-gpt", ...GPTConfig})
     config.json, tokenizer Hugging Face models: the `save_pretrained` layout, so
     files, ...             `AutoModelForCausalLM.from_pretrained(step_N)` loads it
-    optimizer.pt           optimizer and scheduler state (present for training checkpoints)
+    optimizer.pt           optimizer and scheduler state (present for training checkpoints), and the
+                           float32 master weights of a bfloat16/float16 model
     rng.pt                 torch and sampler RNG states
     ref.safetensors        the reference model (when algorithm.beta > 0)
     trainer_state.json     step, data position (and the wandb run id)
@@ -50,7 +51,7 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
                     trainer_state: dict | None = None, rng: dict | None = None, ref_model=None,
-                    full_states: dict | None = None) -> Path:
+                    full_states: dict | None = None, master_weights: list | None = None) -> Path:
     """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint, and
     re-saving an existing step never leaves a moment without a complete one.
 
@@ -59,7 +60,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
     root = Path(ckpt_root)
     final = root / f"step_{step}"
     tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                 trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states or {})
+                 trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states or {},
+                 master_weights=master_weights)
     for _ in _install(tmp, final):
         pass
     return final
@@ -67,7 +69,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
 
 def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
            trainer_state: dict | None = None, rng: dict | None = None, ref_model=None,
-           full_states: dict | None = None) -> Path:
+           full_states: dict | None = None, master_weights: list | None = None) -> Path:
     """Write the complete checkpoint to root/.tmp_step_N, fsynced; nothing else is touched."""
     root.mkdir(parents=True, exist_ok=True)
     recover_checkpoints(root)   # an earlier crash may have left a checkpoint aside, or a half-written one
@@ -88,7 +90,8 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
     # optimizer.pt and rng.pt hold only tensors and plain containers: they load with weights_only=True
     if optimizer is not None:
         torch.save({"optimizer": full_states.get("optimizer") or optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    **({"master": master_weights} if master_weights is not None else {})}, tmp / "optimizer.pt")
     if rng is not None:
         torch.save(rng, tmp / "rng.pt")
     if full_states.get("ref") is not None:   # gathered, one name per tied weight (as save_model writes it)
@@ -253,7 +256,8 @@ def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
     opt = _load_plain(p / "optimizer.pt")
     rng = _load_plain(p / "rng.pt") if (p / "rng.pt").is_file() else {}
     trainer = json.loads((p / "trainer_state.json").read_text())
-    return {"optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng, "trainer": trainer}
+    return {"optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng, "trainer": trainer,
+            "master": opt.get("master")}
 
 
 def _load_plain(path: Path):

@@ -44,6 +44,7 @@ from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .checkpoint import load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
+from .master import MasterWeights
 from .schedule import lr_factor
 
 
@@ -119,7 +120,10 @@ class GRPOTrainer:
             if self.ref is not None:
                 sharding.shard(self.ref, frozen=True)
         # the trained parameters only (all of them, or LoRA's adapters): no optimizer state for frozen ones
-        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
+        trained = [p for p in model.parameters() if p.requires_grad]
+        # bfloat16/float16 weights: the optimizer steps float32 master copies (train/master.py)
+        self.master = MasterWeights(trained) if MasterWeights.needed(trained) and not self.sharded else None
+        self.opt = torch.optim.AdamW(self.master.master if self.master else trained, lr=o.lr,
                                      betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
@@ -345,6 +349,7 @@ class GRPOTrainer:
         grad_norms, applied = [], 0
         for _ in range(a.num_iterations):
             self.opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)   # (the same tensors, unless master weights are in use)
             for s in slices:
                 logp, ent = self._logprobs(self.model, g, s, with_entropy=True, entropy_grad=a.entropy_coef > 0)
                 m = loss_mask[s]
@@ -368,14 +373,19 @@ class GRPOTrainer:
                 (logp.sum() * 0.0).backward()
             if not self.sharded:   # (fsdp sums each micro-batch's gradient into the shards as it goes)
                 dist.sum_gradients(self.model.parameters())   # the full batch's gradient on every rank
+            if self.master:
+                self.master.grads_in()
             max_norm = self.cfg.optim.max_grad_norm or float("inf")
-            norm = sharding.grad_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            clipped = self.master.master if self.master else self.model.parameters()
+            norm = sharding.grad_norm(torch.nn.utils.clip_grad_norm_(clipped, max_norm))
             grad_norms.append(norm)
             # decided on the global loss, so that every rank skips or applies the same steps
             if not (math.isfinite(norm) and math.isfinite(dist.sum_floats(sums["loss"])[0])):
                 self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
                 break
             self.opt.step()
+            if self.master:
+                self.master.weights_out()
             applied += 1
         if applied:   # a skipped step leaves the schedule where it was: the next step gets this step's lr
             self.sched.step()
@@ -392,6 +402,7 @@ class GRPOTrainer:
 
     def _bad_step(self, loss: float, norm: float) -> None:
         self.opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         self.bad_steps += 1
         limit = self.cfg.train.max_bad_steps
         msg = (f"step {self.step + 1}: non-finite loss ({loss}) or gradient norm ({norm}); update skipped "
@@ -564,6 +575,7 @@ class GRPOTrainer:
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
                                optimizer=self.opt, scheduler=self.sched, rng=rng,
                                ref_model=self.ref, full_states=full,
+                               master_weights=self.master.master if self.master else None,
                                trainer_state={"sampler": self.sampler.state(),
                                               **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
@@ -585,6 +597,8 @@ class GRPOTrainer:
         else:
             state = load_training_state(ckpt, self.model if weights else None, self.ref)
             self.opt.load_state_dict(state["optimizer"])
+            if self.master and state.get("master") is not None:
+                self.master.load(state["master"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         self.gen.set_state(state["rng"]["generator"])

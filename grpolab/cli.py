@@ -183,10 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug or not _lost_a_rank(e):
             raise
         # the rank that failed says why, and the launcher names it; this one just says it stopped
-        import os
         import re
         why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])[:160]   # without gloo's source path
-        _error(f"[rank {os.environ.get('RANK', '0')}] stopped: another rank left the run ({why})")
+        _error(f"stopped: another rank left the run ({why})", name_rank=True)
         return LOST_A_RANK
 
 
@@ -200,15 +199,15 @@ def _lost_a_rank(e: RuntimeError) -> bool:
         s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL"))
 
 
-def _error(msg: str, same_on_every_rank: bool = False) -> None:
+def _error(msg: str, same_on_every_rank: bool = False, name_rank: bool = False) -> None:
     """One line on stderr. Under several ranks, rank 0 alone reports what every rank hits alike
-    (a config or data error); other errors name their rank."""
+    (a config or data error); other errors name their rank (`name_rank`: rank 0 names itself too)."""
     import os
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if size > 1 and rank > 0:
-        if same_on_every_rank:
-            return
-        msg = msg if msg.startswith("[rank ") else f"[rank {rank}] {msg}"
+    if size > 1 and rank > 0 and same_on_every_rank:
+        return
+    if size > 1 and (rank > 0 or name_rank):
+        msg = f"[rank {rank}] {msg}"
     print(f"grpolab: {msg}", file=sys.stderr)
 
 

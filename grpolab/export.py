@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .models.tokenizer import BOS, END, PAD, SPECIAL_TOKENS, UNK_CHAR, CharTokenizer
+from .models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, UNK_CHAR, USER, CharTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
@@ -127,8 +127,8 @@ def _export_gpt(model, out: Path, dtype: str) -> str:
 
 
 # the built-in chat format: <|bos|><|user|>{the messages' contents, joined by newlines}<|assistant|>
-CHAT_TEMPLATE = ("{{ '" + BOS + "<|user|>' }}{% for m in messages %}{% if not loop.first %}{{ '\n' }}{% endif %}"
-                 "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+CHAT_TEMPLATE = ("{{ '" + BOS + USER + "' }}{% for m in messages %}{% if not loop.first %}{{ '\n' }}{% endif %}"
+                 "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}")
 
 
 def char_tokenizer_for_hf():

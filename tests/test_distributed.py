@@ -304,6 +304,7 @@ def test_exception_on_one_rank_stops_the_run_with_its_own_error(tmp_path):
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     assert any(x.startswith("grpolab: [rank 1] reward error: reward function") and "rank one dislikes this batch" in x
                for x in lines), lines
+    assert any(x.startswith("grpolab: [rank 0] stopped: another rank left the run (") for x in lines), lines
     assert lines[-1] == "grpolab: rank 1 exited with code 2; the other ranks were stopped", lines
 
 

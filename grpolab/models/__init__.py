@@ -15,11 +15,10 @@ def build_builtin(model_cfg, tokenizer: CharTokenizer) -> GPT:
 def set_gradient_checkpointing(model, on: bool) -> None:
     """Activation checkpointing on or off: HF's own switch (non-reentrant), or per block for the GPT.
     It acts only in training mode with autograd on; sampling and no-grad passes are unchanged."""
-    hf = getattr(model, "hf", None)
-    if hf is None:
+    if not hasattr(model, "causal_lm"):   # the built-in GPT
         model.gradient_checkpointing = on
         return
-    base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    base = model.causal_lm()
     # transformers >= 5.x names it activation checkpointing; older releases only have gradient_checkpointing_*
     if on:
         if hasattr(base, "activation_checkpointing_enable"):

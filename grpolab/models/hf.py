@@ -104,13 +104,13 @@ class HFPolicy(nn.Module):
         (no soft-capping or scaling), so `forward(hidden=True)` + `head` may stand in for the logits."""
         return self.config.model_type in PLAIN_HEAD_TYPES
 
-    def _causal_lm(self):
+    def causal_lm(self):
         """The transformers model itself (under a peft wrapper, the base model with its adapters)."""
         return self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits from `forward(..., hidden=True)`'s output."""
-        return self._causal_lm().get_output_embeddings()(h)
+        return self.causal_lm().get_output_embeddings()(h)
 
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: HFCache | LeanCache | None = None, logits_to_keep: int = 0,
@@ -125,7 +125,7 @@ class HFPolicy(nn.Module):
         start = cache.count if cache is not None and cache.count is not None else torch.zeros_like(valid[:, 0])
         pos = (start[:, None] + valid.cumsum(-1) - 1).clamp(min=0)
         if hidden:
-            h = self._causal_lm().base_model(input_ids=idx, attention_mask=valid, position_ids=pos,
+            h = self.causal_lm().base_model(input_ids=idx, attention_mask=valid, position_ids=pos,
                                               use_cache=False).last_hidden_state
             return h[:, -logits_to_keep:] if logits_to_keep else h
         if cache is None:

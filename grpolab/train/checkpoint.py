@@ -60,7 +60,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
     root = Path(ckpt_root)
     final = root / f"step_{step}"
     tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                 trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states or {},
+                 trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states,
                  master_weights=master_weights)
     for _ in _install(tmp, final):
         pass

@@ -1,4 +1,5 @@
-"""Command line: grpolab demo | train | eval | export | report | tiny-model. Thin: parse, build the config, call the pipeline."""
+"""Command line: grpolab demo | train | sft | dpo | distill | sample | pipeline | eval | export | report |
+tiny-model. Thin: parse, build the config, call the job."""
 
 from __future__ import annotations
 
@@ -27,6 +28,26 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training, "
                    "started with torch.distributed.run; or launch with torchrun -m grpolab train ...")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    for name, what in (("sft", "supervised fine-tuning on prompt/completion rows or conversations"),
+                       ("dpo", "direct preference optimisation on prompt/chosen/rejected pairs"),
+                       ("distill", "distil distill.teacher into the model (logits or on-policy)")):
+        j = sub.add_parser(name, help=what)
+        j.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
+        j.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    sp = sub.add_parser("sample", help="rejection sampling: K scored completions per training prompt; accepted "
+                                       "ones as SFT rows (or best/worst pairs for DPO)")
+    sp.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N) or Hugging Face model dir")
+    sp.add_argument("--out", required=True, help="jsonl file to write")
+    sp.add_argument("--k", type=int, default=None, help="completions per prompt (default sample.k)")
+    sp.add_argument("--pairs", action="store_true", help="write DPO pairs: each prompt's best vs worst by reward")
+    sp.add_argument("--config", default=None, help="YAML config for data/reward/rollout/sample settings")
+    sp.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    pl = sub.add_parser("pipeline", help="run a config's stages (sft, grpo, sample, dpo, distill) one after another")
+    pl.add_argument("config", help="YAML config with a `stages:` list")
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied to every stage")
 
     e = sub.add_parser("eval", help="evaluate a checkpoint or Hugging Face model on the held-out split")
     e.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N) or Hugging Face model dir")
@@ -144,11 +165,20 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append(f"train.max_steps={args.steps}")
             pipeline.run_demo(load_config(None, overrides))
         elif args.command == "train":
-            config_path = args.config
-            overrides = list(args.overrides)
-            if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
-                config_path, overrides = None, [config_path] + overrides
-            pipeline.run_train(load_config(config_path, overrides))
+            pipeline.run_train(load_config(*_config_and_overrides(args)))
+        elif args.command in ("sft", "dpo", "distill"):
+            from . import offline
+            config_path, overrides = _config_and_overrides(args)
+            job = {"sft": offline.run_sft, "dpo": offline.run_dpo, "distill": offline.run_distill}[args.command]
+            job(load_config(config_path, overrides))
+        elif args.command == "sample":
+            from .rejection import run_sample
+            overrides = list(args.overrides) + ([f"sample.k={args.k}"] if args.k is not None else []) + \
+                (["sample.pairs=true"] if args.pairs else [])
+            run_sample(args.checkpoint, load_config(args.config, overrides), args.out)
+        elif args.command == "pipeline":
+            from .stages import run_pipeline
+            run_pipeline(args.config, list(args.overrides))
         elif args.command == "eval":
             pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
         elif args.command == "report":
@@ -187,6 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])[:160]   # without gloo's source path
         _error(f"stopped: another rank left the run ({why})", name_rank=True)
         return LOST_A_RANK
+
+
+def _config_and_overrides(args) -> tuple[str | None, list[str]]:
+    """The optional config file and the overrides (a first `key=value` is an override, not a file)."""
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+        config_path, overrides = None, [config_path] + overrides
+    return config_path, overrides
 
 
 def _lost_a_rank(e: RuntimeError) -> bool:

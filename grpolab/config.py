@@ -47,16 +47,79 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 600               # supervised warm-start steps before RL (0 = none)
-    batch_size: int = 32           # solved problems per step
-    lr: float = 3e-3               # peak learning rate, times a linear warmup and a linear decay from the first
-    #                                step to 0 at sft.steps (train/schedule.py)
-    warmup_steps: int = 20         # linear warmup steps of the warm start
-    weight_decay: float = 0.0      # AdamW weight decay of the warm start
-    max_grad_norm: float = 1.0     # gradient clipping of the warm start
-    bare_fraction: float = 0.5     # share of answers given as '#### N' alone (a guess, no steps) ...
-    bare_steps: int = 100          # ... in the last N warm-start steps (before them: worked answers only;
-    #                                0, or >= sft.steps = mix bare answers in from the first step)
+    steps: int = 600               # SFT optimizer steps: the demo's warm start before RL, or `grpolab sft` (0 = no
+    #                                warm start)
+    epochs: int = 0                # > 0: that many passes over the SFT rows instead of sft.steps
+    batch_size: int = 32           # rows per optimizer step
+    micro_batch_size: int = 0      # rows per forward/backward (gradients accumulate over a step's micro-batches;
+    #                                the loss is normalised by the whole batch's tokens); 0 = the whole batch
+    lr: float = 3e-3               # peak learning rate (AdamW, betas 0.9/0.95), times the warmup and the schedule
+    lr_schedule: str = "linear"    # linear | cosine | constant: decay from the first step to 0 at the last one
+    warmup_steps: int = 20         # linear warmup steps
+    weight_decay: float = 0.0      # AdamW weight decay
+    max_grad_norm: float = 1.0     # gradient clipping; 0 = off
+    max_length: int = 0            # tokens per row (prompt + completion, template included); 0 = the model's context
+    on_long: str = "truncate"      # rows longer than sft.max_length: truncate (cut the end; a row left with no
+    #                                completion token is dropped) | drop | error; counts are logged
+    packing: bool = False          # pack each micro-batch's rows into sequences of up to sft.max_length tokens, each
+    #                                row attending only to itself: the same loss with less padding
+    train_path: str | None = None  # SFT rows: .jsonl/.json/.parquet, a dataset dir or hub name, with prompt and
+    #                                completion columns (data.prompt_key, data.response_key) or `messages`
+    #                                conversations; null = the task's train rows (prompt + worked answer)
+    test_path: str | None = None   # held-out SFT rows for eval/loss; null = the task's test rows
+    bare_fraction: float = 0.5     # arithmetic task: share of answers given as '#### N' alone (a guess, no steps) ...
+    bare_steps: int = 100          # ... in the last N steps (before them: worked answers only; 0, or >= sft.steps =
+    #                                mix bare answers in from the first step). sft.train_path rows are never changed
+
+
+@dataclass
+class DPOConfig:
+    pairs: str | None = None       # preference rows (prompt, chosen, rejected: text or conversations, TRL's
+    #                                format) as .jsonl/.json/.parquet, a dataset dir or hub name; in a pipeline,
+    #                                null = the pairs written by the last `sample` stage with sample.pairs
+    beta: float = 0.1              # strength of the implicit KL to the reference (TRL's beta)
+    loss_type: str = "sigmoid"     # sigmoid (DPO) | ipo | hinge (SLiC) | robust (needs dpo.label_smoothing)
+    label_smoothing: float = 0.0   # assumed share of flipped labels: sigmoid = conservative DPO; robust in [0, 0.5)
+    steps: int = 100               # optimizer steps
+    epochs: int = 0                # > 0: that many passes over the pairs instead of dpo.steps
+    batch_size: int = 16           # pairs per optimizer step
+    micro_batch_size: int = 0      # pairs per forward/backward; 0 = the whole batch
+    lr: float = 1e-4               # peak learning rate (AdamW, betas 0.9/0.95)
+    lr_schedule: str = "linear"    # linear | cosine | constant (decay to 0 at the last step)
+    warmup_steps: int = 5          # linear warmup steps
+    weight_decay: float = 0.0      # AdamW weight decay
+    max_grad_norm: float = 1.0     # gradient clipping; 0 = off
+
+
+@dataclass
+class DistillConfig:
+    teacher: str | None = None     # the teacher: a checkpoint (…/checkpoints/step_N) or Hugging Face model dir;
+    #                                the student is model.* (a fresh built-in GPT, model.init_from or an HF model)
+    mode: str = "logits"           # logits (match the teacher's next-token distributions on given completions) |
+    #                                on_policy (the student samples; per-token reverse KL to the teacher on them)
+    kl: str = "forward"            # logits mode: forward KL(teacher || student) | reverse KL(student || teacher)
+    temperature: float = 1.0       # softens both distributions; the KL is scaled by temperature^2
+    train_path: str | None = None  # logits mode: completions to distil on, as sft.train_path; null = the task's rows
+    steps: int = 300               # optimizer steps
+    epochs: int = 0                # > 0 (logits mode): that many passes over the rows instead of distill.steps
+    batch_size: int = 32           # rows per step (on_policy: prompts, each sampled once by the student)
+    micro_batch_size: int = 0      # rows per forward/backward; 0 = the whole batch
+    lr: float = 3e-3               # peak learning rate (AdamW, betas 0.9/0.95)
+    lr_schedule: str = "linear"    # linear | cosine | constant
+    warmup_steps: int = 20         # linear warmup steps
+    weight_decay: float = 0.0      # AdamW weight decay
+    max_grad_norm: float = 1.0     # gradient clipping; 0 = off
+
+
+@dataclass
+class SampleConfig:
+    k: int = 8                     # completions sampled per prompt (rollout.temperature, rollout.max_new_tokens)
+    num_prompts: int = 0           # training prompts sampled, in the data's order; 0 = all
+    min_reward: float = 1.0        # accept completions whose total reward is at least this
+    max_per_prompt: int = 1        # accepted completions kept per prompt (best first, distinct texts)
+    pairs: bool = False            # write preference pairs instead: each prompt's best vs worst completion by
+    #                                reward (prompts whose completions all tie are skipped)
+    batch_size: int = 256          # completions decoded together
 
 
 @dataclass
@@ -69,6 +132,8 @@ class DataConfig:
     test_split: str = "test"
     dataset_config: str | None = None  # hub dataset config name (e.g. 'main' for openai/gsm8k)
     prompt_key: str = "prompt"     # files: column holding the prompt (text, or a list of {role, content})
+    response_key: str = "completion"  # SFT/distillation rows: column holding the target completion (TRL's
+    #                                `completion`, verl's data.response_key)
     answer_key: str | None = "answer"  # files: column with the reference (verl rows: reward_model.ground_truth
     #                                is used when this column is absent); null = no reference
     system_prompt: str | None = None   # prepended as a system message (prompts become conversational)
@@ -161,7 +226,7 @@ class TrainConfig:
     seed: int = 0                  # seeds data order, sampling and init
     save_every: int = 0            # checkpoint every N steps (0 = only at the end)
     eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end)
-    log_every: int = 1             # console line every N steps
+    log_every: int = 1             # console line every N steps (sft/dpo/distill: at least every 1/20 of the run)
     threads: int = 0               # torch CPU threads, fixed for the whole run (0 = all cores); same count,
     #                                machine type and torch build: same bits, idle or busy (see Determinism)
     resume: str | None = None      # auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir:
@@ -197,6 +262,9 @@ class EvalConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -290,20 +358,29 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def read_yaml(path: str | Path) -> dict:
+    """A config file's mapping of sections; ConfigError when it is missing, not YAML or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (),
                 base: Config | None = None) -> Config:
     """Defaults (or `base`), then the YAML file, then `key=value` overrides; validated."""
     cfg = base or Config()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        data = read_yaml(p)
+        if "stages" in data:
+            raise ConfigError(f"config file {str(p)!r} lists stages: run it with `grpolab pipeline {p}`")
         settings = list(_flatten(data).items())
     else:
         settings = []
@@ -361,6 +438,17 @@ def _choice(key: str, value: str, options) -> None:
     _need(value in options, f"{key}: {value!r} is not one of {', '.join(options)}")
 
 
+def _optim_section(name: str, s) -> None:
+    """The step/optimizer keys the offline stages (sft, dpo, distill) share."""
+    for k in ("steps", "epochs", "micro_batch_size", "warmup_steps"):
+        _need(getattr(s, k) >= 0, f"{name}.{k}: must be >= 0")
+    _need(s.batch_size >= 1, f"{name}.batch_size: must be >= 1")
+    _need(s.lr > 0, f"{name}.lr: must be > 0")
+    _choice(f"{name}.lr_schedule", s.lr_schedule, ("linear", "cosine", "constant"))
+    _need(s.weight_decay >= 0, f"{name}.weight_decay: must be >= 0")
+    _need(s.max_grad_norm >= 0, f"{name}.max_grad_norm: must be >= 0 (0 = off)")
+
+
 def validate(cfg: Config) -> None:
     from .algorithms.advantages import ADV_ESTIMATORS
     from .algorithms.aggregate import AGG_MODES
@@ -386,10 +474,28 @@ def validate(cfg: Config) -> None:
 
     s = cfg.sft
     _need(s.steps >= 0, "sft.steps: must be >= 0 (0 skips the warm start)")
-    _need(s.batch_size >= 1, "sft.batch_size: must be >= 1")
-    _need(s.lr > 0, "sft.lr: must be > 0")
+    for name in ("sft", "dpo", "distill"):
+        _optim_section(name, getattr(cfg, name))
+    _need(s.max_length >= 0, "sft.max_length: must be >= 0 (0 = the model's context)")
+    _choice("sft.on_long", s.on_long, ("truncate", "drop", "error"))
     _need(0 <= s.bare_fraction <= 1, "sft.bare_fraction: must be in [0, 1]")
     _need(s.bare_steps >= 0, "sft.bare_steps: must be >= 0")
+
+    from .algorithms.losses import DISTILL_KL, DPO_LOSSES
+    p = cfg.dpo
+    _need(p.beta > 0, "dpo.beta: must be > 0")
+    _choice("dpo.loss_type", p.loss_type, DPO_LOSSES)
+    _need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing: must be in [0, 0.5)")
+    di = cfg.distill
+    _choice("distill.mode", di.mode, ("logits", "on_policy"))
+    _choice("distill.kl", di.kl, DISTILL_KL)
+    _need(di.temperature > 0, "distill.temperature: must be > 0")
+    sm = cfg.sample
+    _need(sm.k >= 1 and (sm.k >= 2 or not sm.pairs), "sample.k: must be >= 1 (>= 2 with sample.pairs)")
+    _need(sm.num_prompts >= 0, "sample.num_prompts: must be >= 0 (0 = all)")
+    _need(math.isfinite(sm.min_reward), "sample.min_reward: must be a finite number")
+    _need(sm.max_per_prompt >= 1, "sample.max_per_prompt: must be >= 1")
+    _need(sm.batch_size >= 1, "sample.batch_size: must be >= 1")
 
     d = cfg.data
     _choice("data.task", d.task, ("arithmetic", "gsm8k", "files"))

@@ -22,7 +22,7 @@ from .models import CharTokenizer, build_builtin
 from .models.hf import load_hf, resolve_device
 from .train.checkpoint import find_resume_checkpoint, load_model
 from .train.grpo import GRPOTrainer
-from .train.sft import train_sft
+from .train.sft import train_sft, warm_start_hook
 
 EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8")
 
@@ -112,9 +112,10 @@ def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, spl
     return kept
 
 
-def load_policy(cfg: Config, train_rows: list[dict], console: Console):
+def load_policy(cfg: Config, train_rows: list[dict], console: Console, warm_start: bool = True):
     """The starting policy: a checkpoint (model.init_from), a Hugging Face model
-    (model.name_or_path), or a fresh built-in GPT warm-started with SFT."""
+    (model.name_or_path), or a fresh built-in GPT, warm-started with SFT on `train_rows` (unless
+    `warm_start` is False: the offline jobs train it themselves)."""
     m = cfg.model
     if m.init_from:
         console.info(f"loading {m.init_from}")
@@ -128,12 +129,9 @@ def load_policy(cfg: Config, train_rows: list[dict], console: Console):
     tok = CharTokenizer()
     model = build_builtin(cfg.model, tok).to(resolve_device(_device(cfg)))
     console.info(f"built-in GPT: {model.num_params() / 1e6:.2f}M parameters")
-    if cfg.sft.steps:
+    if cfg.sft.steps and warm_start:
         t0 = time.perf_counter()
-        s = cfg.sft
-        mix = arithmetic.warm_start_mixer(s.bare_fraction, max(0, s.steps - s.bare_steps) if s.bare_steps else 0,
-                                          cfg.train.seed)
-        train_sft(model, tok, train_rows, s, seed=cfg.train.seed, log=console.info, batch_hook=mix)
+        train_sft(model, tok, train_rows, cfg, log=console.info, batch_hook=warm_start_hook(cfg, len(train_rows)))
         console.info(f"warm start done in {time.perf_counter() - t0:.0f}s")
     model.eval()
     return model, tok
@@ -155,6 +153,11 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     if cfg.train.resume and distributed.world_from_env().main:
         ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
     ckpt = distributed.broadcast_object(ckpt)
+    if ckpt is not None:
+        job = json.loads((Path(ckpt) / "trainer_state.json").read_text()).get("job", "grpo")
+        if job != "grpo":
+            raise ConfigError(f"train.resume: {ckpt} is a {job} checkpoint, not a GRPO one; start GRPO from it with "
+                              f"model.init_from={ckpt}")
     train_rows, test_rows = load_data(cfg)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
         console.info(f"resuming from {ckpt}")

@@ -75,9 +75,14 @@ def test_readme_documents_every_config_key():
 def test_example_configs_load_and_validate():
     from pathlib import Path
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
-    assert {p.name for p in configs} >= {"demo.yaml", "gsm8k_tiny_hf.yaml", "gsm8k_qwen.yaml"}
+    assert {p.name for p in configs} >= {"demo.yaml", "gsm8k_tiny_hf.yaml", "gsm8k_qwen.yaml", "r1_pipeline.yaml"}
+    from grpolab.stages import stage_configs
     for p in configs:
-        load_config(p)
+        if "stages:" in p.read_text():   # a pipeline: every stage's config is built and validated
+            _, stages = stage_configs(p, [])
+            assert [job for job, _ in stages] and all(cfg.train.output_dir for _, cfg in stages)
+        else:
+            load_config(p)
 
 
 def test_override_text_keeps_hash_signs():

@@ -319,7 +319,7 @@ def test_demo_with_two_ranks(tmp_path):
     """`grpolab demo --nproc 2`: one before/after table and summary.json, from rank 0, with the same
     numbers as the 1-process demo of the same settings."""
     small = ["--steps", "2", "sft.steps=20", "sft.bare_steps=0", "eval.num_problems=16", "eval.k=4",
-             "train.threads=1"]
+             "train.threads=1", "model.n_layer=1", "model.n_embd=64", "rollout.prompts_per_step=8"]
     summaries = {}
     for name, extra in [("one", []), ("two", ["--nproc", "2"])]:
         res = run_cli("demo", *extra, "--out", str(tmp_path / name), *small, timeout=600)

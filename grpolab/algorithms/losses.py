@@ -153,3 +153,71 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     metrics = {"clip_ratio/low_sum": float(low.sum()), "clip_ratio/high_sum": float(high.sum()),
                "clip_ratio/region_sum": float((low | high).sum())}
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------- preference (DPO family)
+
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, *, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Direct preference losses on (B,) summed completion log-probs; returns (per-pair losses,
+    chosen rewards, rejected rewards), the rewards being the implicit ones, beta * (logp - ref_logp),
+    detached (as TRL logs them).
+
+    With h = (chosen - ref_chosen) - (rejected - ref_rejected) and eps = label_smoothing:
+        sigmoid  -(1 - eps) log s(beta h) - eps log s(-beta h)        DPO (Rafailov et al. 2023);
+                 eps > 0 is conservative DPO (labels flipped with probability eps)
+        robust   (-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)
+                 unbiased under label noise eps (Chowdhury et al. 2024), eps in [0, 0.5)
+        hinge    max(0, 1 - beta h)                                    SLiC (Zhao et al. 2023)
+        ipo      (h - 1 / (2 beta))^2                                  IPO (Azar et al. 2023); TRL feeds it
+                 log-probs averaged over each completion's tokens, and so does the DPO trainer here
+    """
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    logsig = torch.nn.functional.logsigmoid
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * logsig(beta * h) - label_smoothing * logsig(-beta * h)
+    elif loss_type == "robust":
+        if not 0 <= label_smoothing < 0.5:
+            raise ValueError(f"robust DPO needs label_smoothing in [0, 0.5), got {label_smoothing}")
+        losses = (-(1 - label_smoothing) * logsig(beta * h) + label_smoothing * logsig(-beta * h)) \
+            / (1 - 2 * label_smoothing)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; known: {', '.join(DPO_LOSSES)}")
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+# ---------------------------------------------------------------------------- distillation
+
+DISTILL_KL = ("forward", "reverse")
+
+
+def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, direction: str = "forward",
+               temperature: float = 1.0) -> torch.Tensor:
+    """Per-position KL between teacher and student next-token distributions (..., V) -> (...),
+    both softened by `temperature` and scaled by temperature^2 (Hinton et al. 2015: keeps the
+    gradient's size as the temperature changes). In float32.
+
+        forward  KL(p_teacher || p_student) = sum_v p_t(v) (log p_t(v) - log p_s(v))   (mean-seeking;
+                 classic logit distillation)
+        reverse  KL(p_student || p_teacher) = sum_v p_s(v) (log p_s(v) - log p_t(v))   (mode-seeking; MiniLLM,
+                 GKD; on-policy distillation scores the student's own tokens with it)
+    """
+    s = (student_logits.float() / temperature).log_softmax(-1)
+    t = (teacher_logits.float() / temperature).log_softmax(-1)
+    if direction == "forward":
+        kl = (t.exp() * (t - s)).sum(-1)
+    elif direction == "reverse":
+        kl = (s.exp() * (s - t)).sum(-1)
+    else:
+        raise ValueError(f"unknown distillation direction {direction!r}; known: {', '.join(DISTILL_KL)}")
+    return kl * temperature ** 2

@@ -60,6 +60,13 @@ class Console:
                   f"{m['time/step']:.2f}s/step", f"ETA {fmt_duration(eta)}"]
         self.info(" | ".join(parts))
 
+    def progress(self, job: str, step: int, total: int, elapsed: float, parts: list[str]) -> None:
+        """A progress line of an offline stage (sft, dpo, distill)."""
+        eta = elapsed / step * (total - step) if step else 0.0
+        done = int(20 * step / max(total, 1))
+        self.info(" | ".join([f"[{'#' * done}{'.' * (20 - done)}] {job} step {step}/{total}", *parts,
+                              f"ETA {fmt_duration(eta)}"]))
+
     def samples(self, step: int, records: list[dict]) -> None:
         """A small table of sampled completions (verbose level)."""
         if self.level < 2 or not records:

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 PLOTS = ("reward", "eval", "length", "kl", "entropy", "clip_ratio", "timing", "grad_lr")
+OFFLINE_PLOTS = ("loss", "eval", "grad_lr")   # sft, distill; dpo adds "preference"
 TIME_ORDER = ("time/generate", "time/reward", "time/ref_and_advantages", "time/update")
 SAMPLES_PER_END = 4
 NOT_LOGGED = "not logged in this run"
@@ -162,7 +163,8 @@ def _plot_eval(ax, rows, keys, summary, last_step) -> None:
     eval_keys = [k for k in keys if k.startswith("eval/")]
     before = (summary or {}).get("before") or {}
     after = (summary or {}).get("after") or {}
-    names = list(dict.fromkeys([k[len("eval/"):] for k in eval_keys] + list(before) + list(after)))
+    names = [n for n in dict.fromkeys([k[len("eval/"):] for k in eval_keys] + list(before) + list(after))
+             if n != "loss"]   # a loss, on the loss plot; the rest are accuracies
     drew = False
     for i, name in enumerate(names):
         color = f"C{i % 10}"
@@ -217,6 +219,47 @@ def _plot_single(ax, rows, key, title, why=NOT_LOGGED) -> None:
     ax.plot(xs, ys, color="C0")
     ax.set_title(title)
     ax.set_xlabel("step")
+
+
+def _plot_loss(ax, rows) -> None:
+    """An offline stage's training loss, and the held-out loss (eval/loss) where it was evaluated."""
+    xs, ys = _series(rows, "loss")
+    ex, ey = _series(rows, "eval/loss")
+    if not ys and not ey:
+        return _placeholder(ax, "loss")
+    if ys:
+        ax.plot(xs, ys, color="C0", lw=1, label="train loss")
+    if ey:
+        ax.plot(ex, ey, color="C3", marker="o", ms=4, lw=1.5, label="held-out loss")
+    ax.set_title("loss")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7, loc="best")
+
+
+def _plot_preference(ax, rows) -> None:
+    """DPO's implicit rewards (chosen, rejected, margin) and the share of pairs ranked right."""
+    series = [(k, _series(rows, f"rewards/{k}")) for k in ("chosen", "rejected", "margins")]
+    if not any(ys for _, (_, ys) in series):
+        return _placeholder(ax, "implicit rewards")
+    for i, (k, (xs, ys)) in enumerate(series):
+        if ys:
+            ax.plot(xs, ys, color=f"C{i}", label=f"rewards/{k}")
+    ax.set_title("DPO implicit rewards")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7, loc="upper left")
+    ax_, ay = _series(rows, "rewards/accuracies")
+    if ay:
+        ax2 = ax.twinx()
+        ax2.plot(ax_, ay, color="C3", ls="--")
+        ax2.set_ylabel("rewards/accuracies", color="C3")
+        ax2.set_ylim(0, 1.05)
+
+
+def plot_names(keys: list[str]) -> tuple[str, ...]:
+    """The plots of a run: RL runs (a reward) get PLOTS; offline stages (a loss, no reward) get theirs."""
+    if "reward" in keys or "loss" not in keys:
+        return PLOTS
+    return OFFLINE_PLOTS + (("preference",) if "rewards/margins" in keys else ())
 
 
 def _plot_clip(ax, rows) -> None:
@@ -279,9 +322,11 @@ def _draw_plots(rows, summary, out_dir: Path) -> list[tuple[str, str]]:
         "timing": lambda ax: _plot_timing(ax, rows, keys),
         "grad_lr": lambda ax: _plot_twin(ax, rows, "grad norm and learning rate", "grad norm / lr",
                                          ("grad_norm", "grad_norm"), ("lr", "lr"), "C2", right_sci=True),
+        "loss": lambda ax: _plot_loss(ax, rows),
+        "preference": lambda ax: _plot_preference(ax, rows),
     }
     images = []
-    for name in PLOTS:
+    for name in plot_names(keys):
         fig = Figure(figsize=(6.0, 3.4), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
@@ -447,5 +492,60 @@ def write_report(run_dir: str | Path) -> Path:
             f"<title>grpolab report: {_e(run_dir.resolve().name)}</title><style>{CSS}</style></head>"
             "<body>" + "\n".join(b for b in body if b) + "</body></html>\n")
     out = run_dir / "report.html"
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+# ---------------------------------------------------------------------------- multi-stage runs
+
+STAGE_METRICS = ("greedy_accuracy", "pass@1", "pass@8", "loss")
+
+
+def write_pipeline_report(root: str | Path) -> Path:
+    """root/report.html of a multi-stage run (pipeline.json): the held-out eval after every stage, as a
+    table and a plot, with links to each stage's own report."""
+    root = Path(root)
+    stages = (_read_json(root / "pipeline.json") or {}).get("stages") or []
+    labels = [f"{s.get('stage')}-{s.get('job')}" for s in stages]
+    metrics = [m for m in STAGE_METRICS if any(m in (s.get("eval") or {}) for s in stages)]
+    rows = []
+    for label, s in zip(labels, stages):
+        ev = s.get("eval") or {}
+        note = ""
+        if s.get("sample"):
+            st = s["sample"]
+            note = f"{st.get('pairs', st.get('accepted'))} {'pairs' if s.get('pairs') else 'rows'} from {st.get('samples')} samples"
+        link = f'<a href="{_e(Path(s.get("dir", "")).name)}/report.html">{_e(label)}</a>' if s.get("checkpoint") else _e(label)
+        rows.append([link] + [_fmt(ev.get(m)) if m in ev else "—" for m in metrics] + [_e(note)])
+    table = "<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in ["stage", *metrics, "note"]) + "</tr>" + \
+        "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
+    img = ""
+    acc = [m for m in metrics if m != "loss"]
+    if acc:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(7.0, 3.6), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for i, m in enumerate(acc):
+            pts = [(j, _num((s.get("eval") or {}).get(m))) for j, s in enumerate(stages)]
+            pts = [(j, v) for j, v in pts if v is not None]
+            ax.plot([j for j, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}", label=m)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title("held-out eval after each stage")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        (root / "stages.png").write_bytes(buf.getvalue())
+        img = f'<img alt="stages" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode("ascii")}">'
+    page = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+            f"<title>grpolab pipeline: {_e(root.resolve().name)}</title><style>{CSS}</style></head><body>"
+            f"<h1>grpolab pipeline report: {_e(root.resolve().name)}</h1>"
+            f"<h2>Held-out eval after every stage</h2>{table}{img}</body></html>\n")
+    out = root / "report.html"
     out.write_text(page, encoding="utf-8")
     return out

@@ -133,12 +133,16 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, batch, c.n_head, max_len, c.n_embd // c.n_head, p.dtype, p.device)
 
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
-                cache: KVCache | None = None, logits_to_keep: int = 0, hidden: bool = False) -> torch.Tensor:
+                cache: KVCache | None = None, logits_to_keep: int = 0, hidden: bool = False,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T); only the last `logits_to_keep` positions when > 0.
         With `hidden`, the normed hidden states (B, T, n_embd) that `head` turns into logits.
 
         key_valid: (B, T) bool, False at padding. With `cache`, idx holds the next T
         tokens after `cache.pos`; their validity is recorded in the cache.
+        segments: (B, T) ints, packed sequences (SFT packing): a token attends only to earlier tokens
+        of its own segment. RoPE scores depend on relative positions only, so a packed example gets
+        the logits it would get alone.
         """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
@@ -154,6 +158,8 @@ class GPT(nn.Module):
         else:
             keys = key_valid
         mask = cache_mask(keys, start, end, decode)
+        if segments is not None:
+            mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
         cos, sin = self.cos[:, start:end], self.sin[:, start:end]
         x = self.wte(idx)
         # activation checkpointing (model.gradient_checkpointing): keep only each block's input for the

@@ -48,6 +48,32 @@ class HFTokenizer:
             return self.tok(text, add_special_tokens=False)["input_ids"]
         return self.tok(prompt)["input_ids"]
 
+    def render_conversation(self, messages: list[dict], train_from: int = 0) -> tuple[list[int], list[bool]]:
+        """(ids, loss mask) of a conversation through the chat template. The mask marks the tokens of
+        each assistant message from index `train_from` on as the template renders it (its end-of-turn
+        token included): the text between the template of the messages before it (with the
+        generation prompt) and the template up to and including it."""
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError("conversational rows need a chat template, and the tokenizer has none; "
+                             "use prompt/completion text rows or a tokenizer with a template")
+
+        def text(msgs, gen=False):
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
+        full = text(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or i < train_from:
+                continue
+            before, upto = text(messages[:i], gen=True), text(messages[:i + 1])
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise ValueError(f"the chat template does not render message {i} as a continuation of the "
+                                 f"ones before it (it rewrites earlier turns), so its tokens cannot be told "
+                                 f"apart; train on prompt/completion rows instead")
+            spans.append((len(before), len(upto)))
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
     def render_completion(self, completion: str) -> list[int]:
         return [*self.tok(completion, add_special_tokens=False)["input_ids"], self.eos_id]
 
@@ -114,9 +140,11 @@ class HFPolicy(nn.Module):
 
     def forward(self, idx: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: HFCache | LeanCache | None = None, logits_to_keep: int = 0,
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or of the last `logits_to_keep` positions. Semantics as `GPT.forward`.
-        With `hidden` (models with `has_plain_head`, no cache), the decoder's last hidden states instead."""
+        With `hidden` (models with `has_plain_head`, no cache), the decoder's last hidden states instead.
+        `segments` (packed sequences, no cache): positions restart at each segment and a 4-D mask keeps
+        each segment to itself."""
         if isinstance(cache, LeanCache):
             return cache.decoder.forward(idx, key_valid, cache, logits_to_keep)
         if key_valid is None:
@@ -124,6 +152,8 @@ class HFPolicy(nn.Module):
         valid = key_valid.long()
         start = cache.count if cache is not None and cache.count is not None else torch.zeros_like(valid[:, 0])
         pos = (start[:, None] + valid.cumsum(-1) - 1).clamp(min=0)
+        if segments is not None:
+            valid, pos = _packed_mask_and_positions(key_valid, segments)
         if hidden:
             h = self.causal_lm().base_model(input_ids=idx, attention_mask=valid, position_ids=pos,
                                               use_cache=False).last_hidden_state
@@ -145,6 +175,20 @@ class HFPolicy(nn.Module):
     def save(self, path: str | Path, state_dict: dict | None = None) -> None:
         """save_pretrained layout; `state_dict` (HF names) in place of the model's own, e.g. gathered shards."""
         self.hf.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
+
+
+def _packed_mask_and_positions(key_valid: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 1, T, T) boolean mask (causal, within a segment, real keys; every query sees itself) and
+    positions counted from each segment's start."""
+    T = segments.size(1)
+    idx = torch.arange(T, device=segments.device)
+    causal = idx[None, :] <= idx[:, None]
+    same = segments[:, :, None] == segments[:, None, :]
+    mask = (causal[None] & same & key_valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=segments.device)[None]
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    start = torch.cummax(torch.where(first, idx[None].expand_as(segments), 0), dim=1).values
+    return mask[:, None], idx[None] - start
 
 
 def _stop_ids_from(model) -> tuple[int, ...]:

@@ -51,11 +51,38 @@ class CharTokenizer:
     def render_prompt(self, prompt) -> list[int]:
         """Chat prompt: <|bos|><|user|>{prompt}<|assistant|>; the model continues from here.
 
-        A list of {role, content} messages is flattened: the contents joined by newlines
-        (the built-in model knows one user turn only)."""
+        A list of {role, content} messages renders as `render_conversation` does, then <|assistant|>
+        (a single user turn, or system + user, is one <|user|> turn: the contents joined by newlines)."""
         if isinstance(prompt, list):
-            prompt = "\n".join(m["content"] for m in prompt)
+            return self.render_conversation(prompt)[0] + [self.assistant_id]
         return [self.bos_id, self.user_id, *self.encode(prompt), self.assistant_id]
+
+    def render_conversation(self, messages: list[dict], train_from: int = 0) -> tuple[list[int], list[bool]]:
+        """(ids, loss mask) of a conversation: <|bos|>, then each run of non-assistant messages as one
+        <|user|> turn (contents joined by newlines), each assistant message as
+        <|assistant|>{content}<|end|>. The mask marks the content and <|end|> of the assistant
+        messages from index `train_from` on (what SFT trains)."""
+        ids, mask = [self.bos_id], [False]
+        user: list[str] = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                user.append(m["content"])
+                continue
+            if user:
+                turn = [self.user_id, *self.encode("\n".join(user))]
+                ids += turn
+                mask += [False] * len(turn)
+                user = []
+            ids.append(self.assistant_id)
+            mask.append(False)
+            body = self.render_completion(m["content"])
+            ids += body
+            mask += [i >= train_from] * len(body)
+        if user:
+            turn = [self.user_id, *self.encode("\n".join(user))]
+            ids += turn
+            mask += [False] * len(turn)
+        return ids, mask
 
     def render_completion(self, completion: str) -> list[int]:
         """Assistant turn as trained in SFT: the text then <|end|>."""

@@ -274,3 +274,14 @@ def _load_plain(path: Path):
     except (RuntimeError, EOFError, OSError) as e:   # truncated or not a torch file at all
         raise CheckpointError(f"{path}: cannot be read ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
                               f"resume from an earlier checkpoint") from None
+
+
+def cut_logs(run_dir: str | Path, step: int, names: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> None:
+    """Drop the lines of a run's jsonl logs written after `step` (a resumed run writes them again)."""
+    for name in names:
+        path = Path(run_dir) / name
+        if path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            os.replace(tmp, path)

@@ -15,7 +15,6 @@ import contextlib
 import copy
 import json
 import math
-import os
 import random
 import signal
 import threading
@@ -42,7 +41,7 @@ from ..rollout.keys import completion_keys
 from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
-from .checkpoint import load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
+from .checkpoint import cut_logs, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
 from .master import MasterWeights
 from .schedule import lr_factor
@@ -576,7 +575,7 @@ class GRPOTrainer:
                                optimizer=self.opt, scheduler=self.sched, rng=rng,
                                ref_model=self.ref, full_states=full,
                                master_weights=self.master.master if self.master else None,
-                               trainer_state={"sampler": self.sampler.state(),
+                               trainer_state={"job": "grpo", "sampler": self.sampler.state(),
                                               **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
         return path
@@ -607,13 +606,8 @@ class GRPOTrainer:
         self.sampler.restore(state["trainer"]["sampler"])
         self.step = state["trainer"]["step"]
         self.wandb_run_id = state["trainer"].get("wandb_run_id")
-        for name in ("metrics.jsonl", "samples.jsonl") if self.world.main else ():   # rank 0 owns the files
-            path = self.run_dir / name
-            if path.exists():
-                keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(ln + "\n" for ln in keep))
-                os.replace(tmp, path)
+        if self.world.main:   # rank 0 owns the files
+            cut_logs(self.run_dir, self.step)
 
 
 class _StopFlag:

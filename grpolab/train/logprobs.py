@@ -87,3 +87,23 @@ def _score(head, h: torch.Tensor, ids: torch.Tensor, *, temperature: float, with
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def token_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, *, segments: torch.Tensor | None = None,
+                   chunk: int = 0) -> torch.Tensor:
+    """log p(ids[:, t + 1] | ids[:, :t + 1]) for every position, (B, T - 1), float32: one forward over
+    right-padded sequences (SFT, DPO, distillation). `segments`: packed sequences (see GPT.forward).
+    chunk > 0: the head and log-softmax run `chunk` positions at a time, each recomputed in the backward
+    (as in completion_logprobs), so no (B, T, V) float32 logits are kept."""
+    kw = {"segments": segments[:, :-1]} if segments is not None else {}
+    targets = ids[:, 1:]
+    if chunk > 0 and getattr(model, "has_plain_head", True) and hasattr(model, "head"):
+        h = model(ids[:, :-1], key_valid=valid[:, :-1], hidden=True, **kw)
+        fn = functools.partial(_score, model.head, temperature=1.0, with_entropy=False, entropy_grad=False)
+        parts = [checkpoint(lambda a, b: fn(a, b)[0], h[:, i:i + chunk], targets[:, i:i + chunk], use_reentrant=False)
+                 if torch.is_grad_enabled() else fn(h[:, i:i + chunk], targets[:, i:i + chunk])[0]
+                 for i in range(0, targets.size(1), chunk)]
+        return torch.cat(parts, dim=1)
+    logits = model(ids[:, :-1], key_valid=valid[:, :-1], **kw).float()
+    return -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                              reduction="none").view_as(targets)

@@ -1,32 +1,34 @@
-"""Supervised warm start: next-token cross-entropy on solved problems, loss on the answer only.
+"""Supervised fine-tuning: next-token cross-entropy on the completion (assistant) tokens only.
 
-The demo keeps this deliberately short so the model is right some of the time and RL has
-room to help (a fully trained model leaves GRPO nothing to do).
+One step: `sft.batch_size` rows -> token ids and loss masks (data/supervised.py; chat-template
+aware) -> optionally packed (sft.packing) -> micro-batches -> summed cross-entropy / the batch's
+loss tokens (so micro-batching leaves the gradient as it is) -> AdamW. The loop, checkpoints and
+resume are train/loop.py's. The demo's warm start is this trainer without a run directory.
 """
 
 from __future__ import annotations
 
-import random
-import time
-from typing import Callable
 import torch
-import torch.nn.functional as F
 
-from ..config import SFTConfig
-from ..utils.padding import pad_sequences
+from ..data.loading import DataError
+from ..data.supervised import Example, collate, encode, fit_length, pack
+from ..eval import evaluate
+from .logprobs import logprob_chunk, token_logprobs
+from .loop import OfflineTrainer
 from .schedule import lr_factor
 
 
+def model_context(model) -> int | None:
+    """The longest sequence the model takes (block_size, or max_position_embeddings)."""
+    c = model.config
+    return getattr(c, "block_size", None) or getattr(c, "max_position_embeddings", None)
+
+
 def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, key_valid, loss_mask), right-padded. loss_mask marks the answer tokens to predict."""
-    seqs, starts = [], []
-    for r in rows:
-        p = tokenizer.render_prompt(r["prompt"])
-        seqs.append(p + tokenizer.render_completion(r["answer"]))
-        starts.append(len(p))
-    ids, valid = pad_sequences(seqs, tokenizer.pad_id, "right")
-    loss_mask = valid & (torch.arange(ids.size(1))[None] >= torch.tensor(starts)[:, None])
-    return ids, valid, loss_mask
+    """(ids, key_valid, loss_mask) of task rows (prompt + answer), right-padded; loss_mask marks the
+    answer tokens (and the stop token) to predict."""
+    b = collate([encode(tokenizer, {"prompt": r["prompt"], "completion": r["answer"]}) for r in rows], tokenizer.pad_id)
+    return b["ids"], b["valid"], b["loss"]
 
 
 def sft_lr_factor(step: int, warmup: int, steps: int) -> float:
@@ -35,43 +37,120 @@ def sft_lr_factor(step: int, warmup: int, steps: int) -> float:
     return lr_factor(step, warmup, steps, "linear", decay_start=0)
 
 
-def sft_loss(model, ids: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    logits = model(ids[:, :-1], key_valid=valid[:, :-1])
-    target_mask = loss_mask[:, 1:]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-    return (ce * target_mask.flatten()).sum() / target_mask.sum().clamp(min=1)
+def masked_token_loss(logp: torch.Tensor, loss_mask: torch.Tensor, total: float) -> torch.Tensor:
+    """Cross-entropy summed over the tokens to predict, divided by `total` (the whole batch's count of
+    them): logp (B, T-1) are the log-probs of ids[:, 1:], loss_mask (B, T) marks the tokens to predict."""
+    return (-logp * loss_mask[:, 1:]).sum() / total
 
 
-def train_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, seed: int = 0, log=None,
-              batch_hook: Callable[[list[dict], int], list[dict]] | None = None) -> list[float]:
-    """Train in place on `rows` (cycled, reshuffled each epoch). Returns the per-step losses.
+class SFTTrainer(OfflineTrainer):
+    """`rows`: SFT rows (data/supervised.py's formats). `test_rows`: the task's held-out rows, for
+    greedy accuracy and pass@k; `heldout_rows`: SFT rows for the held-out loss."""
 
-    `batch_hook(batch, step)` may rewrite each batch's rows before tokenization."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sft_lr_factor(s, cfg.warmup_steps, cfg.steps))
-    model.train()
-    losses = []
-    t0 = time.time()
-    for step in range(cfg.steps):
-        if len(order) < cfg.batch_size:
-            perm = list(range(len(rows)))
-            rng.shuffle(perm)
-            order += perm
-        batch = [rows[i] for i in order[:cfg.batch_size]]
-        del order[:cfg.batch_size]
-        if batch_hook is not None:
-            batch = batch_hook(batch, step)
-        loss = sft_loss(model, *sft_batch(tokenizer, batch))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if log and (step % 50 == 0 or step == cfg.steps - 1):
-            log(f"sft step {step + 1}/{cfg.steps}  loss {loss.item():.4f}  ({time.time() - t0:.0f}s)")
+    job = "sft"
+
+    def __init__(self, cfg, model, tokenizer, rows: list[dict], *, test_rows: list[dict] | None = None,
+                 heldout_rows: list[dict] | None = None, run_dir=None, console=None, batch_hook=None) -> None:
+        s = cfg.sft
+        context = model_context(model)
+        self.max_length = min(x for x in (s.max_length, context) if x) if (s.max_length or context) else 10 ** 9
+        fitted, truncated, dropped = fit_length([encode(tokenizer, r) for r in rows], self.max_length, s.on_long)
+        if dropped == len(rows):
+            raise DataError(f"sft: every row is longer than sft.max_length={self.max_length} tokens with no "
+                            f"completion token inside it; raise sft.max_length")
+        if (dropped or truncated) and console is not None:
+            console.info(f"sft: {truncated} rows truncated and {dropped} dropped at {self.max_length} tokens "
+                         f"(sft.max_length, sft.on_long={s.on_long})")
+        rows = [r for r, e in zip(rows, fitted) if e is not None]
+        examples = [e for e in fitted if e is not None]
+        super().__init__(cfg, s, model, tokenizer, rows, run_dir=run_dir, console=console, batch_hook=batch_hook)
+        # each row's example, encoded once (a row a batch hook rewrote is a new object: encoded when used)
+        self._examples = {id(r): e for r, e in zip(self.rows, examples)}
+        self.test_rows = (test_rows or [])[:cfg.eval.num_problems]
+        self.heldout_rows = (heldout_rows or [])[:cfg.eval.num_problems]
+        self.chunk = logprob_chunk(cfg.optim.logprob_chunk, model.config.vocab_size)
+
+    def units(self, rows: list) -> list[Example]:
+        out = [self._examples.get(id(r)) or fit_length([encode(self.tok, r)], self.max_length, "truncate")[0][0]
+               for r in rows]
+        return [e for e in out if e is not None]
+
+    def weight(self, units: list[Example]) -> float:
+        return float(sum(sum(e.loss[1:]) for e in units))
+
+    def micro_loss(self, units: list[Example], total: float) -> tuple[torch.Tensor, dict]:
+        items = pack(units, self.max_length) if self.s.packing else units
+        b = {k: v.to(self.device) for k, v in collate(items, self.tok.pad_id).items()}
+        logp = token_logprobs(self.model, b["ids"], b["valid"], segments=b.get("segments"), chunk=self.chunk)
+        loss = masked_token_loss(logp, b["loss"], max(total, 1.0))
+        return loss, {"tokens": float(b["loss"][:, 1:].sum())}
+
+    def step_metrics(self, sums: dict, total: float) -> dict:
+        return {"tokens": sums.get("tokens", 0.0)}
+
+    def heldout(self) -> dict:
+        out = {}
+        if self.heldout_rows:
+            out["eval/loss"] = heldout_loss(self.model, self.tok, self.heldout_rows, self.max_length, self.chunk,
+                                            self.cfg.eval.batch_size)
+        if self.test_rows:
+            out.update(task_eval(self.cfg, self.model, self.tok, self.test_rows))
+        return out
+
+
+@torch.no_grad()
+def heldout_loss(model, tokenizer, rows: list[dict], max_length: int, chunk: int = 0, batch_size: int = 64) -> float:
+    """Mean cross-entropy per completion token of SFT rows (longer ones truncated)."""
     model.eval()
-    return losses
+    examples = [e for e in fit_length([encode(tokenizer, r) for r in rows], max_length, "truncate")[0] if e]
+    device = next(model.parameters()).device
+    total, n = 0.0, 0.0
+    for i in range(0, len(examples), batch_size):
+        b = {k: v.to(device) for k, v in collate(examples[i:i + batch_size], tokenizer.pad_id).items()}
+        logp = token_logprobs(model, b["ids"], b["valid"], chunk=chunk)
+        total += float((-logp * b["loss"][:, 1:]).sum())
+        n += float(b["loss"][:, 1:].sum())
+    return total / max(n, 1.0)
+
+
+def task_eval(cfg, model, tokenizer, rows: list[dict]) -> dict:
+    """The task's held-out metrics (greedy accuracy, pass@k, maj@k) as eval/... keys."""
+    e = cfg.eval
+    res = evaluate(model, tokenizer, rows, k=e.k, temperature=e.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+                   batch_size=e.batch_size, seed=cfg.train.seed, reward=e.reward)
+    res.pop("samples")
+    return {f"eval/{k}": v for k, v in res.items()}
+
+
+def warm_start_hook(cfg, n_rows: int):
+    """The demo's warm-start recipe on the arithmetic task: worked answers, then for the last
+    sft.bare_steps steps a seeded sft.bare_fraction of bare '#### N' answers (None when off)."""
+    from ..data.tasks.arithmetic import warm_start_mixer
+    from .loop import total_steps
+    s = cfg.sft
+    if cfg.data.task != "arithmetic" or s.train_path or s.bare_fraction <= 0:
+        return None
+    steps = total_steps(s, n_rows)
+    return warm_start_mixer(s.bare_fraction, max(0, steps - s.bare_steps) if s.bare_steps else 0, cfg.train.seed,
+                            key="completion")
+
+
+def train_sft(model, tokenizer, rows: list[dict], cfg, log=None, batch_hook=None) -> list[float]:
+    """The demo's warm start: SFT on the task's rows (prompt + answer) in place, nothing written.
+    `cfg` is the whole Config (its sft section) ; returns the per-step losses."""
+    from ..data.supervised import task_sft_rows
+
+    class _Log:   # the warm start's progress goes to `log` (console.info), every 50 steps
+        def progress(self, job, step, total, elapsed, parts):
+            if log is not None and (step % 50 == 1 or step == total):
+                log(f"sft step {step}/{total}  {'  '.join(parts)}  ({elapsed:.0f}s)")
+
+        def info(self, msg):
+            if log is not None:
+                log(msg)
+
+        def warn(self, msg):
+            if log is not None:
+                log(f"warning: {msg}")
+    tr = SFTTrainer(cfg, model, tokenizer, task_sft_rows(rows), console=_Log(), batch_hook=batch_hook)
+    return [m["loss"] for m in tr.train()]

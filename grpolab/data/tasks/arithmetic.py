@@ -84,13 +84,14 @@ def generate(split: str, n: int, seed: int = 0, cfg: ArithmeticConfig | None = N
     return rows
 
 
-def bare_answer(row: dict) -> dict:
-    """The same problem with the worked steps dropped: the answer is just '#### N'."""
-    return {**row, "answer": row["answer"].rsplit("\n", 1)[-1]}
+def bare_answer(row: dict, key: str = "answer") -> dict:
+    """The same problem with the worked steps dropped: the answer (column `key`) is just '#### N'."""
+    return {**row, key: row[key].rsplit("\n", 1)[-1]}
 
 
-def warm_start_mixer(bare_fraction: float, from_step: int = 0, seed: int = 0):
-    """SFT batch hook: from step `from_step` on, a seeded `bare_fraction` of answers are '#### N' alone.
+def warm_start_mixer(bare_fraction: float, from_step: int = 0, seed: int = 0, key: str = "answer"):
+    """SFT batch hook: from step `from_step` on, a seeded `bare_fraction` of answers (column `key`) are
+    '#### N' alone.
 
     The demo's warm start first learns to solve (worked answers only), then, for its last
     steps, learns to often just guess. The greedy model then guesses although it can
@@ -102,5 +103,5 @@ def warm_start_mixer(bare_fraction: float, from_step: int = 0, seed: int = 0):
     def mix(batch: list[dict], step: int) -> list[dict]:
         if step < from_step:
             return batch
-        return [bare_answer(r) if rng.random() < bare_fraction else r for r in batch]
+        return [bare_answer(r, key) if rng.random() < bare_fraction else r for r in batch]
     return mix

@@ -1,0 +1,70 @@
+"""Preference pairs for DPO: rows of prompt, chosen, rejected (TRL's formats).
+
+- explicit prompt: `prompt` (text or messages), `chosen` and `rejected` (text, or lists of
+  assistant messages);
+- implicit prompt: `chosen` and `rejected` are whole conversations; the prompt is the messages
+  they share from the start.
+Each side becomes an SFT row (data/supervised.py), trained on the chosen/rejected part only.
+"""
+
+from __future__ import annotations
+
+from .loading import DataError, _preview
+from .supervised import _messages
+
+
+def _side(value: object, where: str, name: str):
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: {name!r} is empty; every pair needs a non-empty chosen and rejected completion")
+        return value
+    if isinstance(value, list) and not value:
+        raise DataError(f"{where}: {name!r} is empty; every pair needs a non-empty chosen and rejected completion")
+    return _messages(value, where, repr(name))
+
+
+def preference_rows(records: list[dict], source: str = "") -> list[dict]:
+    """Rows {'prompt', 'chosen', 'rejected'} (each text or messages), checked; DataError naming the row."""
+    where0 = f"{source}: " if source else ""
+    if not records:
+        raise DataError(f"{where0}no preference pairs; check the file and the split")
+    out = []
+    for i, r in enumerate(records, start=1):
+        where = f"{where0}row {i}"
+        missing = [k for k in ("chosen", "rejected") if not isinstance(r, dict) or k not in r]
+        if missing:
+            cols = sorted(r) if isinstance(r, dict) else _preview(r)
+            raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} column; columns are {cols}; "
+                            f"DPO rows need prompt, chosen and rejected")
+        chosen, rejected = _side(r["chosen"], where, "chosen"), _side(r["rejected"], where, "rejected")
+        if "prompt" in r:
+            prompt = r["prompt"]
+            if isinstance(prompt, str):
+                if not prompt.strip():
+                    raise DataError(f"{where}: 'prompt' is empty")
+            else:
+                prompt = _messages(prompt, where, "'prompt'")
+        elif isinstance(chosen, list) and isinstance(rejected, list):   # implicit prompt: the shared start
+            n = 0
+            while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+                n += 1
+            if n == 0:
+                raise DataError(f"{where}: no 'prompt' column and chosen/rejected share no opening messages")
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        else:
+            raise DataError(f"{where}: no 'prompt' column; columns are {sorted(r)}; DPO rows need prompt, chosen "
+                            f"and rejected (or whole chosen/rejected conversations)")
+        if chosen == rejected:
+            raise DataError(f"{where}: chosen and rejected are the same; drop the row")
+        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out
+
+
+def side_row(pair: dict, side: str) -> dict:
+    """The chosen or rejected side of a pair as an SFT row."""
+    prompt, completion = pair["prompt"], pair[side]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return {"prompt": prompt, "completion": completion}
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+    return {"messages": msgs + tail, "train_from": len(msgs)}

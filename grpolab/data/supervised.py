@@ -1,0 +1,151 @@
+"""Supervised examples (SFT, distillation): rows -> token ids and a loss mask.
+
+Two row formats, TRL's and verl's:
+- prompt + completion: `prompt` (text or {role, content} messages) and `completion` (text, or a
+  list of assistant messages); the column names are data.prompt_key / data.response_key.
+- conversation: `messages`, a list of {role, content}; every assistant turn is trained on.
+
+The loss mask marks the tokens the model learns to produce: the completion (with its stop
+token), or each assistant turn as the chat template renders it; never the prompt, the other
+turns or padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..utils.padding import pad_sequences
+from .loading import DataError, _preview
+
+MESSAGES_KEY = "messages"
+
+
+@dataclass
+class Example:
+    """One tokenized example: ids and, per token, whether the loss predicts it."""
+    ids: list[int]
+    loss: list[bool]
+
+
+def _messages(value: object, where: str, what: str) -> list[dict]:
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise DataError(f"{where}: {what} must be a non-empty list of {{'role': str, 'content': str}} messages, "
+                    f"got {_preview(value)}")
+
+
+def sft_rows(records: list[dict], *, prompt_key: str = "prompt", response_key: str = "completion",
+             source: str = "") -> list[dict]:
+    """Rows as {'messages': [...], 'train_from': i} (conversational: assistant turns from message i on are
+    trained) or {'prompt': str, 'completion': str}; a clear DataError naming the row otherwise."""
+    where0 = f"{source}: " if source else ""
+    if not records:
+        raise DataError(f"{where0}dataset is empty; check the file and the split")
+    out = []
+    for i, r in enumerate(records, start=1):
+        where = f"{where0}row {i}"
+        if not isinstance(r, dict):
+            raise DataError(f"{where}: expected an object with columns, got {_preview(r)}")
+        if prompt_key not in r and MESSAGES_KEY in r:
+            msgs = _messages(r[MESSAGES_KEY], where, f"column {MESSAGES_KEY!r}")
+            if not any(m["role"] == "assistant" for m in msgs):
+                raise DataError(f"{where}: conversation has no assistant turn to train on")
+            out.append({"messages": msgs, "train_from": 0})
+            continue
+        missing = [k for k in (prompt_key, response_key) if k not in r]
+        if missing:
+            raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} column; columns are {sorted(r)}; "
+                            f"give prompt/completion columns (data.prompt_key, data.response_key) or "
+                            f"{MESSAGES_KEY!r} conversations")
+        prompt, completion = r[prompt_key], r[response_key]
+        if isinstance(completion, (int, float)) and not isinstance(completion, bool):
+            completion = str(completion)
+        if isinstance(completion, str) and not completion.strip():
+            raise DataError(f"{where}: {response_key!r} is empty; fill it in or drop the row")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if not prompt.strip():
+                raise DataError(f"{where}: {prompt_key!r} is empty; fill it in or drop the row")
+            out.append({"prompt": prompt, "completion": completion})
+            continue
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
+            _messages(prompt, where, repr(prompt_key))
+        tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else \
+            _messages(completion, where, repr(response_key))
+        out.append({"messages": msgs + tail, "train_from": len(msgs)})
+    return out
+
+
+def task_sft_rows(rows: list[dict]) -> list[dict]:
+    """The built-in tasks' rows (prompt + worked answer) as SFT rows."""
+    return [{"prompt": r["prompt"], "completion": r["answer"]} if isinstance(r["prompt"], str) else
+            {"messages": [*r["prompt"], {"role": "assistant", "content": r["answer"]}],
+             "train_from": len(r["prompt"])} for r in rows]
+
+
+def encode(tokenizer, row: dict) -> Example:
+    """Token ids and loss mask of one SFT row (see `sft_rows`)."""
+    if "messages" in row:
+        ids, loss = tokenizer.render_conversation(row["messages"], train_from=row.get("train_from", 0))
+        return Example(list(ids), list(loss))
+    p = tokenizer.render_prompt(row["prompt"])
+    c = tokenizer.render_completion(row["completion"])
+    return Example(p + c, [False] * len(p) + [True] * len(c))
+
+
+def fit_length(examples: list[Example], max_length: int, on_long: str) -> tuple[list[Example | None], int, int]:
+    """Apply the length policy (sft.on_long) to each example: (the examples, None where dropped;
+    how many truncated; how many dropped). `truncate` cuts the end, and drops an example left with no
+    loss token; `drop` drops every long one; `error` raises naming the first long row."""
+    out, truncated, dropped = [], 0, 0
+    for i, e in enumerate(examples, start=1):
+        if len(e.ids) <= max_length:
+            out.append(e)
+        elif on_long == "error":
+            raise DataError(f"row {i}: {len(e.ids)} tokens, over sft.max_length={max_length}; raise sft.max_length, "
+                            f"or set sft.on_long=truncate or drop")
+        elif on_long == "truncate" and any(e.loss[:max_length]):
+            out.append(Example(e.ids[:max_length], e.loss[:max_length]))
+            truncated += 1
+        else:
+            out.append(None)
+            dropped += 1
+    return out, truncated, dropped
+
+
+def pack(examples: list[Example], max_length: int) -> list[list[Example]]:
+    """Consecutive examples packed into sequences of at most max_length tokens (in order; an
+    example never straddles two sequences). Each packed example attends only to itself."""
+    packs, cur, n = [], [], 0
+    for e in examples:
+        if cur and n + len(e.ids) > max_length:
+            packs.append(cur)
+            cur, n = [], 0
+        cur.append(e)
+        n += len(e.ids)
+    if cur:
+        packs.append(cur)
+    return packs
+
+
+def collate(items: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch of examples (or of packs of examples): ids (B, T), valid (B, T), loss (B, T)
+    (the tokens to predict) and, for packs, segments (B, T): which example of the pack a token is in."""
+    packs = [x if isinstance(x, list) else [x] for x in items]
+    ids = [[t for e in p for t in e.ids] for p in packs]
+    ids_t, valid = pad_sequences(ids, pad_id, "right")
+    loss = torch.zeros_like(valid)
+    seg = torch.zeros(ids_t.shape, dtype=torch.long)
+    for b, p in enumerate(packs):
+        j = 0
+        for k, e in enumerate(p):
+            loss[b, j:j + len(e.ids)] = torch.tensor(e.loss, dtype=torch.bool)
+            seg[b, j:j + len(e.ids)] = k
+            j += len(e.ids)
+    out = {"ids": ids_t, "valid": valid, "loss": loss}
+    if any(len(p) > 1 for p in packs):
+        out["segments"] = seg
+    return out

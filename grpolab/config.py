@@ -178,7 +178,11 @@ class AlgorithmConfig:
     #                                algorithm keys (table in the README); keys you set yourself still win
     adv_estimator: str = "grpo"    # grpo (z-score in the group) | dr_grpo (r - group mean) | rloo (leave-one-out
     #                                mean) | reinforce_baseline (r - group mean, whitened over the batch) |
-    #                                grpo_passk (only the best of each group is credited)
+    #                                grpo_passk (only the best of each group is credited); token-level: gae (PPO:
+    #                                a critic, critic.*) | reinforce_plus_plus (discounted returns, whitened) |
+    #                                remax (baseline: the reward of one greedy completion per prompt)
+    gamma: float = 1.0             # token-level estimators: discount per token
+    lam: float = 0.95              # gae: lambda of generalized advantage estimation
     scale_rewards: str = "group"   # grpo: group | batch | none (none = mean-only advantages)
     adv_eps: float = 1e-4          # added to the std in (r - mean) / (std + eps)
     unbiased_std: bool = False     # use n-1 in the group std
@@ -201,6 +205,25 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0  # ... ramp a penalty linearly up to this at max_new_tokens (0 buffer = off)
     ref_sync_steps: int = 0        # TR-DPO reference sync every N steps: ref = alpha*policy + (1-alpha)*ref; 0 = off
     ref_sync_alpha: float = 0.6    # alpha of the reference sync
+    rollout_correction: str = "none"  # sampler/trainer mismatch: none | tis (truncated importance weights
+    #                                min(pi_train/pi_sampler, threshold) on the loss) | mis (tokens or sequences whose
+    #                                ratio is outside [1/threshold, threshold] get no loss); rollout/logprob_abs_diff
+    #                                and rollout/ratio_max are logged always
+    rollout_correction_level: str = "token"  # token (a ratio per token) | sequence (the product over the completion)
+    rollout_correction_threshold: float = 2.0  # TIS cap / MIS bound on the ratio (> 1)
+    std_filter_ema: float = 0.0    # RLPR's filter: groups whose reward std is below an exponential moving average
+    #                                of the batches' mean group std (this decay, e.g. 0.99) are dropped; 0 = off
+
+
+@dataclass
+class CriticConfig:
+    name_or_path: str | None = None  # algorithm.adv_estimator=gae: the critic's backbone, a checkpoint or Hugging Face
+    #                                model dir; null = a copy of the starting policy. A scalar value head is added
+    lr: float = 1e-4               # critic AdamW learning rate (constant after its warmup)
+    warmup_steps: int = 0          # linear warmup of the critic's lr, in RL steps
+    max_grad_norm: float = 1.0     # critic gradient clipping; 0 = off
+    cliprange_value: float = 0.5   # value clipping: new values stay within this of the rollout's values
+    warmup_updates: int = 0        # the first N steps train the critic only (the policy waits for useful values)
 
 
 @dataclass
@@ -269,6 +292,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -542,7 +566,19 @@ def validate(cfg: Config) -> None:
               "reward.weights: must be finite numbers")
 
     a = cfg.algorithm
-    _choice("algorithm.adv_estimator", a.adv_estimator, tuple(ADV_ESTIMATORS))
+    from .algorithms.advantages import TOKEN_ESTIMATORS
+    _choice("algorithm.adv_estimator", a.adv_estimator, (*ADV_ESTIMATORS, *TOKEN_ESTIMATORS))
+    _need(0 < a.gamma <= 1, "algorithm.gamma: must be in (0, 1]")
+    _need(0 <= a.lam <= 1, "algorithm.lam: must be in [0, 1]")
+    _choice("algorithm.rollout_correction", a.rollout_correction, ("none", "tis", "mis"))
+    _choice("algorithm.rollout_correction_level", a.rollout_correction_level, ("token", "sequence"))
+    _need(a.rollout_correction_threshold > 1, "algorithm.rollout_correction_threshold: must be > 1")
+    _need(0 <= a.std_filter_ema < 1, "algorithm.std_filter_ema: must be in [0, 1) (0 = off)")
+    c = cfg.critic
+    _need(c.lr > 0, "critic.lr: must be > 0")
+    _need(c.warmup_steps >= 0 and c.warmup_updates >= 0, "critic.warmup_steps/critic.warmup_updates: must be >= 0")
+    _need(c.max_grad_norm >= 0, "critic.max_grad_norm: must be >= 0 (0 = off)")
+    _need(c.cliprange_value > 0, "critic.cliprange_value: must be > 0")
     _choice("algorithm.scale_rewards", a.scale_rewards, ("group", "batch", "none"))
     _choice("algorithm.policy_loss", a.policy_loss, tuple(POLICY_LOSSES))
     _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))

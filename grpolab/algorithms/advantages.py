@@ -157,3 +157,91 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
     except KeyError:
         raise ValueError(f"unknown adv_estimator {estimator!r}; known: {', '.join(ADV_ESTIMATORS)}") from None
     return fn(rewards, group_ids, **opts)
+
+
+# ---------------------------------------------------------------------------- token-level estimators
+#
+# These work on (B, T) token rewards (the sequence score at the last completion token, minus
+# beta * KL per token with algorithm.kl_in_reward) and return (advantages, returns), both (B, T).
+# Positions where `mask` is 0 (padding, or tool output inside a completion) are skipped: they get
+# no reward, no advantage, and the recursions carry their running values through them unchanged.
+
+TOKEN_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax")
+
+
+def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                        beta: float = 0.0) -> torch.Tensor:
+    """(B, T) token rewards: each completion's score at its last active token, minus beta * KL per
+    token (algorithm.kl_in_reward: PPO-RLHF's shaping) at every active one."""
+    m = mask.bool()
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    pos = torch.arange(mask.size(1), device=mask.device)
+    last = torch.where(m, pos, -1).max(-1).values
+    rows = (last >= 0).nonzero().squeeze(-1)
+    out[rows, last[rows]] = scores[rows].float()
+    if kl is not None and beta:
+        out = out - beta * torch.where(m, kl.float(), torch.zeros_like(out))
+    return out
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the active positions (mean and unbiased variance in float64);
+    0 at masked positions."""
+    m = mask.bool()
+    v = x.double()[m]
+    if v.numel() < 2:
+        return torch.zeros_like(x)
+    out = (x.double() - v.mean()) / torch.sqrt(v.var(unbiased=True) + eps)
+    return torch.where(m, out, torch.zeros_like(out)).to(x.dtype)
+
+
+def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016), PPO's critic-based advantages:
+
+        delta_t = r_t + gamma * V_{t'} - V_t        (t' = the next active position; V = 0 past the end)
+        A_t     = delta_t + gamma * lam * A_{t'}
+        returns = A + V (the critic's targets), advantages = A whitened over the active tokens
+    """
+    m = mask.to(values.dtype)
+    B, T = values.shape
+    next_v = torch.zeros(B, dtype=values.dtype, device=values.device)
+    last = torch.zeros_like(next_v)
+    adv = torch.zeros_like(values)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * last
+        next_v = values[:, t] * m[:, t] + next_v * (1 - m[:, t])
+        last = a * m[:, t] + last * (1 - m[:, t])
+        adv[:, t] = last
+    returns = (adv + values) * m
+    return masked_whiten(adv, mask), returns
+
+
+def compute_reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor,
+                                gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): discounted token returns, no critic, no group;
+    the KL penalty lives in the token rewards, and the returns are whitened over the batch.
+
+        G_t = r_t + gamma * G_{t'}     advantages = whiten(G) over the active tokens
+    """
+    m = mask.to(token_rewards.dtype)
+    running = torch.zeros(token_rewards.size(0), dtype=token_rewards.dtype, device=token_rewards.device)
+    returns = torch.zeros_like(token_rewards)
+    for t in reversed(range(token_rewards.size(1))):
+        g = token_rewards[:, t] + gamma * running
+        returns[:, t] = g * m[:, t]
+        running = g * m[:, t] + running * (1 - m[:, t])
+    return masked_whiten(returns, mask), returns
+
+
+def compute_remax(token_rewards: torch.Tensor, baselines: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2024, arXiv:2310.10505): the baseline is the reward of the prompt's greedy
+    completion.
+
+        G_t = sum_{s >= t, active} r_s     A_t = G_t - b (b: the prompt's greedy reward)
+    """
+    m = mask.to(token_rewards.dtype)
+    returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1) * m
+    return (returns - baselines[:, None].to(returns.dtype)) * m, returns

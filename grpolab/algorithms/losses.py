@@ -131,13 +131,14 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
                         loss_agg_mode: str = "token-mean", epsilon: float = 0.2,
                         epsilon_high: float | None = None, clip_ratio_c: float | None = None,
                         max_new_tokens: int | None = None, global_tokens: float | None = None,
-                        global_seqs: float | None = None) -> tuple[torch.Tensor, dict]:
+                        global_seqs: float | None = None, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Scalar policy loss and metrics.
 
     logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). global_tokens/global_seqs
     are the normalizers of the whole batch when this call sees only a micro-batch.
     Metrics are sums over this call's active tokens (`clip_ratio/*_sum`) so the caller
-    can add them up across micro-batches and divide by the global token count.
+    can add them up across micro-batches and divide by the global token count. `weights` (B, T)
+    multiply the per-token losses before aggregation (rollout correction's importance weights).
     """
     try:
         fn = POLICY_LOSSES[policy_loss]
@@ -146,6 +147,8 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     loss_mat, info = fn(logp, old_logp, adv.to(logp.dtype), mask, epsilon=epsilon,
                         epsilon_high=epsilon_high, clip_ratio_c=clip_ratio_c)
+    if weights is not None:
+        loss_mat = loss_mat * weights.to(loss_mat.dtype)
     loss = aggregate(loss_mat, mask, loss_agg_mode, global_tokens=global_tokens,
                      global_seqs=global_seqs, max_new_tokens=max_new_tokens)
     m = mask.bool()
@@ -221,3 +224,34 @@ def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, di
     else:
         raise ValueError(f"unknown distillation direction {direction!r}; known: {', '.join(DISTILL_KL)}")
     return kl * temperature ** 2
+
+
+# ---------------------------------------------------------------------------- critic
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+               cliprange_value: float, loss_agg_mode: str = "token-mean", **agg) -> tuple[torch.Tensor, float]:
+    """PPO's clipped value loss (as in OpenAI's baselines, verl, TRL), per token:
+
+        v_clip = old_V + clip(V - old_V, -cliprange_value, cliprange_value)
+        l_t    = 0.5 * max((V - R)^2, (v_clip - R)^2)
+    aggregated like the policy losses (`aggregate`, `agg`: global counts of a micro-batch's batch).
+    Returns (loss, clipfrac sum: active tokens where the clipped error is the larger one)."""
+    m = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(m, values, zero)
+    r = torch.where(m, returns.to(values.dtype), zero)
+    old = torch.where(m, old_values.to(values.dtype), zero)
+    clipped = old + (v - old).clamp(-cliprange_value, cliprange_value)
+    err, err_clip = (v - r) ** 2, (clipped - r) ** 2
+    loss_mat = 0.5 * torch.maximum(err, err_clip)
+    clipfrac = float(((err_clip > err) & m).sum())
+    return aggregate(loss_mat, mask, loss_agg_mode, **agg), clipfrac
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the active tokens (1: the critic explains the
+    returns; 0: no better than their mean; NaN when the returns do not vary)."""
+    m = mask.bool()
+    r, v = returns.double()[m], values.double()[m]
+    var = r.var(unbiased=False) if r.numel() else torch.tensor(0.0)
+    return float(1 - (r - v).var(unbiased=False) / var) if var > 0 else float("nan")

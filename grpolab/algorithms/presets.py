@@ -18,6 +18,7 @@ config must provide (the trainer validates them against config.py):
     algorithm.overlong_buffer            DAPO soft overlong punishment buffer, in tokens (0 = off)
     algorithm.overlong_penalty           its maximum penalty (reached at rollout.max_new_tokens)
     algorithm.mask_truncated_completions drop completions cut at max_new_tokens from the loss
+    algorithm.gamma, algorithm.lam       token-level estimators: discount, GAE's lambda
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ PRESET_KEYS: tuple[str, ...] = (
     "algorithm.epsilon_high", "algorithm.clip_ratio_c", "algorithm.beta", "algorithm.kl_estimator",
     "algorithm.loss_agg_mode", "algorithm.num_iterations", "algorithm.dynamic_sampling",
     "algorithm.overlong_buffer", "algorithm.overlong_penalty", "algorithm.mask_truncated_completions",
+    "algorithm.gamma", "algorithm.lam",
 )
 
 # Shared "off" values; each preset overrides what its paper changes.
@@ -47,6 +49,8 @@ _BASE: dict = {
     "algorithm.overlong_buffer": 0,
     "algorithm.overlong_penalty": 1.0,
     "algorithm.mask_truncated_completions": False,
+    "algorithm.gamma": 1.0,
+    "algorithm.lam": 0.95,
 }
 
 PRESETS: dict[str, dict] = {
@@ -83,6 +87,13 @@ PRESETS: dict[str, dict] = {
     # -A * logp averaged over all completion tokens, no ratio, no clipping, no KL.
     "reinforce": {**_BASE, "algorithm.adv_estimator": "dr_grpo", "algorithm.scale_rewards": "none",
                   "algorithm.policy_loss": "reinforce", "algorithm.loss_agg_mode": "token-mean"},
+    # PPO (Schulman et al. 2017) as RLHF runs it (Ouyang et al. 2022; verl's and TRL's PPO): a learned
+    # critic, GAE (gamma 1, lambda 0.95) over token rewards, advantages whitened over the batch's
+    # tokens, clip 0.2, token-mean; two passes so the clip has something to clip. No KL here (set
+    # algorithm.beta and algorithm.kl_in_reward for the classic per-token KL shaping); critic.* for
+    # the critic.
+    "ppo": {**_BASE, "algorithm.adv_estimator": "gae", "algorithm.loss_agg_mode": "token-mean",
+            "algorithm.num_iterations": 2, "algorithm.gamma": 1.0, "algorithm.lam": 0.95},
 }
 
 

@@ -25,6 +25,7 @@ from .format import answer_format, think_format
 from . import length as _length  # not `from .length import length`: keep rewards.length the module
 from .length import make_length_reward
 from .math_answers import math_accuracy
+from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
 
 RewardFn = Callable[..., list]
 
@@ -34,10 +35,24 @@ REWARDS: dict[str, RewardFn] = {
     "math_accuracy": math_accuracy,
     "think_format": think_format,
     "length": _length.length,
+    # intrinsic (rewards/intrinsic.py): read the current policy, no labels (rlpr reads the reference)
+    "self_certainty": self_certainty,
+    "token_entropy": token_entropy,
+    "trajectory_logprob": trajectory_logprob,
+    "rlpr": rlpr,
 }
 
+
+def wants_policy(spec: str) -> bool:
+    """Whether the reward function takes the `policy` argument (an intrinsic reward)."""
+    import inspect
+    try:
+        return "policy" in inspect.signature(get_reward(spec)).parameters
+    except (TypeError, ValueError):
+        return False
+
 __all__ = ["REWARDS", "RewardError", "RewardFn", "UnknownRewardError", "get_reward", "make_length_reward",
-           "reward_name", "reward_names"]
+           "reward_name", "reward_names", "wants_policy"]
 
 
 def get_reward(spec: str) -> RewardFn:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import RewardError
 
-CALL_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+CALL_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "policy")
 
 
 @dataclass

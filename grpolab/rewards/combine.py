@@ -156,8 +156,8 @@ def check_signatures(names: list[str], column_names: list[str]) -> None:
 
 def score(names: list[str], weights: list[float] | None, prompts: list, completions: list[str],
           columns: dict[str, list], *, completion_ids: list[list[int]] | None = None,
-          trainer_state: TrainerState | None = None,
-          log: RewardLog | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          trainer_state: TrainerState | None = None, log: RewardLog | None = None,
+          policy=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(total (B,), {spec: (B,)}) for the reward specs `names`; total = sum_k w_k * r_k.
 
     Each function is called by keyword as TRL does (`calling`): prompts, completions (strings,
@@ -165,7 +165,8 @@ def score(names: list[str], weights: list[float] | None, prompts: list, completi
     log_metric and the dataset `columns`. A None from a function means "not applicable": it shows
     as NaN in that function's column and adds nothing to the total (TRL's convention). A dict
     value gives its 'score'; its other keys become `log.columns` '<name>/<key>' (listed in `log.score_keys`). Async functions of one call run
-    concurrently in one event loop; sync ones run one after another.
+    concurrently in one event loop; sync ones run one after another. `policy` (a
+    rewards.intrinsic.PolicyView) is passed to the functions that take it: intrinsic rewards.
     """
     weights = [1.0] * len(names) if weights is None else list(weights)
     if len(weights) != len(names):
@@ -180,7 +181,8 @@ def score(names: list[str], weights: list[float] | None, prompts: list, completi
                                                               if k not in NOT_PASSED})
     base = {"prompts": prompts, "completions": as_completions(prompts, completions),
             "completion_ids": completion_ids if completion_ids is not None else [[] for _ in range(n)],
-            "trainer_state": trainer_state if trainer_state is not None else TrainerState()}
+            "trainer_state": trainer_state if trainer_state is not None else TrainerState(),
+            **({"policy": policy} if policy is not None else {})}
     calls = []
     for name, fn in zip(names, fns):
         log_extra, log_metric = log.bound(short[name])

@@ -29,6 +29,11 @@ class RolloutBatch:
     score_keys: list[str] = field(default_factory=list)    # the `logged` columns from dict returns (-> metrics)
     scorable: torch.Tensor | None = None  # (B,) bool: some reward function scored the row (not all None); TRL
     #                                       leaves the others out of the group baseline and gives them advantage 0
+    greedy: list[str] | None = None       # (B,) remax: the greedy completion of the row's prompt ...
+    greedy_ids: list[list[int]] | None = None  # ... its token ids ...
+    baselines: torch.Tensor | None = None  # (B,) ... and its reward (the baseline)
+    returns: torch.Tensor | None = None   # (B, C) token-level estimators: the returns (gae: the critic's targets)
+    values: torch.Tensor | None = None    # (B, C) gae: the critic's values at rollout time
 
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's sampled token ids, stop token included, no padding (TRL's completion_ids)."""
@@ -55,7 +60,10 @@ class RolloutBatch:
                             reward_columns={k: v[idx] for k, v in self.reward_columns.items()},
                             advantages=None if self.advantages is None else self.advantages[idx],
                             logged={k: pick(v) for k, v in self.logged.items()}, score_keys=list(self.score_keys),
-                            scorable=None if self.scorable is None else self.scorable[idx])
+                            scorable=None if self.scorable is None else self.scorable[idx],
+                            greedy=None if self.greedy is None else pick(self.greedy),
+                            greedy_ids=None if self.greedy_ids is None else pick(self.greedy_ids),
+                            baselines=None if self.baselines is None else self.baselines[idx])
 
 
 def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -91,4 +99,7 @@ def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         # a column one round logged and another did not is None for the other round's samples
         logged={k: [v for b in batches for v in b.logged.get(k, [None] * len(b))] for k in logged_keys},
         score_keys=list(dict.fromkeys(k for b in batches for k in b.score_keys)),
-        scorable=cat_opt([b.scorable for b in batches]))
+        scorable=cat_opt([b.scorable for b in batches]),
+        greedy=None if any(b.greedy is None for b in batches) else [x for b in batches for x in b.greedy],
+        greedy_ids=None if any(b.greedy_ids is None for b in batches) else [x for b in batches for x in b.greedy_ids],
+        baselines=cat_opt([b.baselines for b in batches]))

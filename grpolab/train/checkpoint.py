@@ -9,6 +9,8 @@ Layout of checkpoints/step_N/:
                            float32 master weights of a bfloat16/float16 model
     rng.pt                 torch and sampler RNG states
     ref.safetensors        the reference model (when algorithm.beta > 0)
+    critic.safetensors,    PPO's critic (algorithm.adv_estimator=gae): weights with the value head, and
+    critic_optimizer.pt    its optimizer and scheduler state
     trainer_state.json     step, data position (and the wandb run id)
 
 optimizer.pt and rng.pt hold tensors and plain containers only and are loaded with
@@ -51,17 +53,18 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
                     trainer_state: dict | None = None, rng: dict | None = None, ref_model=None,
-                    full_states: dict | None = None, master_weights: list | None = None) -> Path:
+                    full_states: dict | None = None, master_weights: list | None = None, extra=None) -> Path:
     """Write checkpoints/step_N atomically; an interrupted write never leaves a half checkpoint, and
     re-saving an existing step never leaves a moment without a complete one.
 
     full_states: for sharded models (train.strategy=fsdp), the gathered full 'model', 'ref' and
-    'optimizer' state dicts, written in place of the modules' own (sharded) ones."""
+    'optimizer' state dicts, written in place of the modules' own (sharded) ones.
+    extra: a callable that writes more files (e.g. PPO's critic) into the directory being staged."""
     root = Path(ckpt_root)
     final = root / f"step_{step}"
     tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                  trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states,
-                 master_weights=master_weights)
+                 master_weights=master_weights, extra=extra)
     for _ in _install(tmp, final):
         pass
     return final
@@ -69,7 +72,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
 
 def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
            trainer_state: dict | None = None, rng: dict | None = None, ref_model=None,
-           full_states: dict | None = None, master_weights: list | None = None) -> Path:
+           full_states: dict | None = None, master_weights: list | None = None, extra=None) -> Path:
     """Write the complete checkpoint to root/.tmp_step_N, fsynced; nothing else is touched."""
     root.mkdir(parents=True, exist_ok=True)
     recover_checkpoints(root)   # an earlier crash may have left a checkpoint aside, or a half-written one
@@ -100,6 +103,8 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
     elif ref_model is not None:
         ref = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
         save_model(ref, str(tmp / "ref.safetensors"))   # save_model handles tied (shared) weights
+    if extra is not None:
+        extra(tmp)
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
     for f in tmp.rglob("*"):
         if f.is_file():

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..algorithms.advantages import compute_advantages
+from ..algorithms.advantages import (TOKEN_ESTIMATORS, compute_advantages, compute_gae, compute_reinforce_plus_plus,
+                                     compute_remax, token_level_rewards)
+from ..algorithms.rollout_correction import rollout_correction
 from ..algorithms.aggregate import aggregate
 from ..algorithms.kl import apply_kl_in_reward, kl_penalty
 from ..algorithms.ref_sync import ref_sync
@@ -33,7 +35,8 @@ from .. import distributed as dist
 from .. import sharding
 from ..config import Config, ConfigError
 from ..eval import evaluate, score_samples
-from ..rewards import reward_name, reward_names
+from ..rewards import reward_name, reward_names, wants_policy
+from ..rewards.intrinsic import PolicyView
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import NonFiniteLogits, generate
@@ -41,6 +44,7 @@ from ..rollout.keys import completion_keys
 from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
+from .critic import CriticTrainer
 from .checkpoint import cut_logs, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
 from .master import MasterWeights
@@ -104,6 +108,13 @@ class GRPOTrainer:
         self.run_dir = Path(run_dir)
         self.console = console
         a, o = cfg.algorithm, cfg.optim
+        self.wants_policy = any(wants_policy(f) for f in cfg.reward.functions)   # intrinsic rewards
+        if a.adv_estimator == "remax" and self.wants_policy:
+            raise ConfigError("algorithm.adv_estimator: remax scores a greedy completion per prompt, which intrinsic "
+                              "rewards (policy-reading) do not support yet; use another estimator")
+        # PPO's critic (adv_estimator=gae): a copy of the starting policy, taken before LoRA, plus a value head
+        self.critic = CriticTrainer(cfg, model) if a.adv_estimator == "gae" else None
+        self.std_ema: float | None = None   # RLPR's std filter: moving average of the batches' mean group std
         # LoRA (model.lora_rank): adapters on the blocks, the rest frozen; a checkpoint may bring its own
         if cfg.model.lora_rank and not has_lora(model):
             add_lora(model, lora_config(cfg.model, model))
@@ -142,6 +153,12 @@ class GRPOTrainer:
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
+        if cfg.algorithm.adv_estimator in TOKEN_ESTIMATORS:
+            raise ConfigError(f"algorithm.adv_estimator: {cfg.algorithm.adv_estimator} (token-level, batch-whitened) "
+                              f"runs in one process for now; drop --nproc or use a group estimator")
+        if cfg.train.strategy == "fsdp" and any(wants_policy(f) for f in cfg.reward.functions):
+            raise ConfigError("reward.functions: intrinsic rewards read the policy, which train.strategy=fsdp shards; "
+                              "use train.strategy=ddp")
 
     # ------------------------------------------------------------ one step, as data
     def rollout(self) -> RolloutBatch:
@@ -158,12 +175,18 @@ class GRPOTrainer:
         # however the step is split over ranks, and after a resume
         keys = completion_keys(self.cfg.train.seed, draws.repeat_interleave(G), torch.arange(G).repeat(len(rows)))
         self.model.eval()
+        prompt_ids = [self.tok.render_prompt(x["prompt"]) for x in rows]
+        greedy = None
         try:
             with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gen = generate(self.model, [self.tok.render_prompt(x["prompt"]) for x in rows], num_generations=G,
+                gen = generate(self.model, prompt_ids, num_generations=G,
                                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
                                pad_id=self.tok.pad_id, keys=keys)
+                if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
+                    gg = generate(self.model, prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
+                                  temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id)
+                    greedy = [ids[m].tolist() for ids, m in zip(gg.completion_ids, gg.completion_mask)]
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
                                 f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
@@ -173,7 +196,9 @@ class GRPOTrainer:
         return RolloutBatch(
             gen=gen, group_ids=torch.arange(len(rows)).repeat_interleave(G),
             prompts=[x["prompt"] for x in rows for _ in range(G)], completions=completions,
-            columns={k: [x[k] for x in rows for _ in range(G)] for k in keys})
+            columns={k: [x[k] for x in rows for _ in range(G)] for k in keys},
+            greedy=None if greedy is None else [self.tok.decode(x) for x in greedy for _ in range(G)],
+            greedy_ids=None if greedy is None else [x for x in greedy for _ in range(G)])
 
     def _reward_name(self, spec: str) -> str:
         """The metric name of a reward column: the configured functions' unique names, else e.g. 'overlong'."""
@@ -189,9 +214,13 @@ class GRPOTrainer:
         Returns the scalars the functions logged with log_metric."""
         w, a = self.cfg.reward, self.cfg.algorithm
         log = RewardLog(len(batch))
+        policy = PolicyView(self.model, self.tok, batch.gen) if self.wants_policy else None
         batch.rewards, batch.reward_columns = score(w.functions, w.weights, batch.prompts, batch.completions,
                                                     batch.columns, completion_ids=batch.completion_id_lists(),
-                                                    trainer_state=self.trainer_state(), log=log)
+                                                    trainer_state=self.trainer_state(), log=log, policy=policy)
+        if batch.greedy is not None:   # remax: the greedy completions' rewards are the baselines
+            batch.baselines, _ = score(w.functions, w.weights, batch.prompts, batch.greedy, batch.columns,
+                                       completion_ids=batch.greedy_ids, trainer_state=self.trainer_state())
         batch.logged, batch.score_keys = log.columns, log.score_keys
         batch.scorable = ~torch.stack(list(batch.reward_columns.values())).isnan().all(0)
         if a.overlong_buffer:
@@ -225,7 +254,7 @@ class GRPOTrainer:
             first = first or batch
             if not a.dynamic_sampling:
                 stats["frac_reward_zero_std"] = self._zero_std(batch)
-                return batch, stats
+                return self._std_filter(batch, stats), stats
             keep = self._informative(batch)
             kept.append(batch.select(keep))
             n_groups += len(torch.unique(batch.group_ids[keep]))
@@ -239,9 +268,28 @@ class GRPOTrainer:
             if self.world.size > 1 else min(n_groups, P)
         stats["frac_reward_zero_std"] = self._zero_std(first)   # of the first round, before filtering
         if n_groups == 0:   # nothing informative within the cap: train on the last round (zero advantages)
-            return batch, stats
+            return self._std_filter(batch, stats), stats
         merged = cat_batches(kept, self.tok.pad_id)
-        return merged.select(merged.group_ids < P), stats
+        return self._std_filter(merged.select(merged.group_ids < P), stats), stats
+
+    def _std_filter(self, batch: RolloutBatch, stats: dict) -> RolloutBatch:
+        """RLPR's filter (algorithm.std_filter_ema > 0): drop the groups whose reward std is below the
+        moving average of earlier batches' mean group std (the first batch sets it and keeps all);
+        the average then takes this batch in. A batch that would lose every group keeps them all."""
+        d = self.cfg.algorithm.std_filter_ema
+        if not d:
+            return batch
+        _, inv = torch.unique(batch.group_ids, return_inverse=True)
+        ok = self._scorable(batch)
+        stds = torch.stack([batch.rewards[(inv == g) & ok].std(unbiased=False) if int(((inv == g) & ok).sum()) > 1
+                            else torch.tensor(0.0) for g in range(int(inv.max()) + 1)])
+        total, count = dist.sum_floats(float(stds.sum()), float(len(stds)))   # every rank: the same average
+        threshold = self.std_ema
+        keep = stds >= threshold if threshold is not None else torch.ones_like(stds, dtype=torch.bool)
+        self.std_ema = total / count if threshold is None else d * threshold + (1 - d) * total / count
+        stats["std_filter/threshold"] = threshold if threshold is not None else 0.0
+        stats["std_filter/kept_groups"] = dist.sum_floats(float(keep.sum()))[0]
+        return batch.select(keep[inv]) if keep.any() else batch
 
     @staticmethod
     def _scorable(batch: RolloutBatch) -> torch.Tensor:
@@ -265,6 +313,8 @@ class GRPOTrainer:
     def advantages(self, batch: RolloutBatch, ref_lp: torch.Tensor | None) -> dict:
         """Advantages from the rewards (minus beta * KL when algorithm.kl_in_reward)."""
         a = self.cfg.algorithm
+        if a.adv_estimator in TOKEN_ESTIMATORS:
+            return self._token_advantages(batch, ref_lp)
         rewards, out = batch.rewards, {}
         if a.kl_in_reward:
             g = batch.gen
@@ -285,6 +335,28 @@ class GRPOTrainer:
             adv = torch.zeros_like(rewards)
             adv[ok] = compute_advantages(rewards[ok], group_ids[ok], a.adv_estimator, **opts)
         batch.advantages = adv[start:start + B] if self.world.size > 1 else adv
+        return out
+
+    def _token_advantages(self, batch: RolloutBatch, ref_lp: torch.Tensor | None) -> dict:
+        """gae / reinforce_plus_plus / remax: token rewards (the score at the last token, minus beta * KL
+        per token with kl_in_reward), then the estimator; (B, C) advantages and returns on the batch.
+        Rows no reward function scored get no advantage and no value target."""
+        a, g = self.cfg.algorithm, batch.gen
+        ok = self._scorable(batch).to(g.completion_mask.device)
+        mask = g.completion_mask & ok[:, None]
+        scores = torch.where(ok, batch.rewards.to(ok.device), torch.zeros_like(batch.rewards, device=ok.device))
+        kl = kl_penalty(g.sampler_logprobs, ref_lp, a.kl_estimator) if a.kl_in_reward else None
+        token_rewards = token_level_rewards(scores, mask, kl, a.beta)
+        out = {}
+        if kl is not None:
+            out["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        if a.adv_estimator == "gae":
+            batch.values = self.critic.values(g, self._micro_batches(len(batch))[0])
+            batch.advantages, batch.returns = compute_gae(token_rewards, batch.values, mask, a.gamma, a.lam)
+        elif a.adv_estimator == "reinforce_plus_plus":
+            batch.advantages, batch.returns = compute_reinforce_plus_plus(token_rewards, mask, a.gamma)
+        else:
+            batch.advantages, batch.returns = compute_remax(token_rewards, batch.baselines.to(mask.device), mask)
         return out
 
     def _micro_batches(self, n: int) -> tuple[list[slice], int]:
@@ -341,21 +413,38 @@ class GRPOTrainer:
             self.model.eval()
             old_lp = self._frozen_logprobs(self.model, g)
 
+        critic = {}
+        if self.critic is not None:   # PPO: the critic learns the GAE returns (the rollout's values are the old ones)
+            critic = self.critic.update(g, batch.values, batch.returns, g.completion_mask & self._scorable(batch)[
+                :, None].to(self.device), slices, a.num_iterations, agg)
+            if self.step < self.cfg.critic.warmup_updates:   # critic warmup: the policy waits
+                return critic
+
         self.model.train()
         lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_ratio/low_sum": 0.0, "clip_ratio/high_sum": 0.0,
-                "clip_ratio/region_sum": 0.0}
+                "clip_ratio/region_sum": 0.0, "rollout/logprob_abs_diff_sum": 0.0, "rollout/masked_sum": 0.0}
+        ratio_max = 0.0
         grad_norms, applied = [], 0
-        for _ in range(a.num_iterations):
+        for it in range(a.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)   # (the same tensors, unless master weights are in use)
             for s in slices:
                 logp, ent = self._logprobs(self.model, g, s, with_entropy=True, entropy_grad=a.entropy_coef > 0)
                 m = loss_mask[s]
                 old = old_lp[s] if old_lp is not None else logp.detach()
-                loss, cm = compute_policy_loss(logp, old, adv[s], m, policy_loss=a.policy_loss,
+                # sampler vs trainer probabilities of the same tokens: logged always, corrected on request
+                w, m_pg, rc = rollout_correction(old, g.sampler_logprobs[s], m, mode=a.rollout_correction,
+                                                 level=a.rollout_correction_level,
+                                                 threshold=a.rollout_correction_threshold)
+                if it == 0:
+                    sums["rollout/logprob_abs_diff_sum"] += rc["rollout/logprob_abs_diff_sum"]
+                    sums["rollout/masked_sum"] += rc.get("rollout/masked_sum", 0.0)
+                    ratio_max = max(ratio_max, rc["rollout/ratio_max"])
+                loss, cm = compute_policy_loss(logp, old, adv[s], m_pg, policy_loss=a.policy_loss,
                                                loss_agg_mode=a.loss_agg_mode, epsilon=a.epsilon,
-                                               epsilon_high=a.epsilon_high, clip_ratio_c=a.clip_ratio_c, **agg)
+                                               epsilon_high=a.epsilon_high, clip_ratio_c=a.clip_ratio_c,
+                                               weights=w if a.rollout_correction == "tis" else None, **agg)
                 if kl_in_loss:
                     kl = kl_penalty(logp, ref_lp[s], a.kl_estimator)
                     loss = loss + a.beta * aggregate(kl, m, a.loss_agg_mode, **agg)
@@ -397,7 +486,11 @@ class GRPOTrainer:
             out["kl"] = sums["kl"] / passes / max(n_tok, 1)
         for k in ("low", "high", "region"):
             out[f"clip_ratio/{k}_mean"] = sums[f"clip_ratio/{k}_sum"] / passes / max(n_tok, 1)
-        return out
+        out["rollout/logprob_abs_diff"] = sums["rollout/logprob_abs_diff_sum"] / max(n_tok, 1)
+        out["rollout/ratio_max"] = float(dist.gather_rows(torch.tensor([ratio_max])).max())
+        if a.rollout_correction == "mis":
+            out["rollout/masked_ratio"] = sums["rollout/masked_sum"] / max(n_tok, 1)
+        return {**out, **critic}
 
     def _bad_step(self, loss: float, norm: float) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -473,7 +566,7 @@ class GRPOTrainer:
                 metrics[f"rewards/{key}"] = mean
         metrics.update(upd)
         metrics.update(kl_metrics)
-        metrics.update({k: v for k, v in stats.items() if k.startswith("dynamic_sampling/")})
+        metrics.update({k: v for k, v in stats.items() if k.startswith(("dynamic_sampling/", "std_filter/"))})
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = float(glob(batch.gen.truncated.float().cpu()).mean())
         metrics["time/generate"] = stats["time/generate"]
@@ -549,7 +642,7 @@ class GRPOTrainer:
                 rewards[names[spec]] = None if math.isnan(v) else v
             records.append({"step": self.step, "prompt": b.prompts[i], "completion": b.completions[i],
                             "reward": float(b.rewards[i]), "rewards": rewards,
-                            "advantage": float(b.advantages[i])})
+                            "advantage": self._row_advantage(b, i)})
             if b.logged:   # what reward functions logged for this sample (log_extra, dict returns)
                 records[-1]["logged"] = {k: v[i] for k, v in b.logged.items()}
         with open(self.run_dir / "samples.jsonl", "a") as f:
@@ -557,6 +650,15 @@ class GRPOTrainer:
                 f.write(json.dumps(r, default=repr) + "\n")
         if self.console is not None:
             self.console.samples(self.step, records)
+
+    @staticmethod
+    def _row_advantage(b: RolloutBatch, i: int) -> float:
+        """A row's advantage: the sequence's, or (token-level estimators) the mean over its tokens."""
+        adv = b.advantages[i]
+        if adv.dim() == 0:
+            return float(adv)
+        m = b.gen.completion_mask[i].to(adv.device)
+        return float(adv[m].mean()) if m.any() else 0.0
 
     def save(self) -> Path | None:
         """Write a checkpoint (rank 0: with ddp every rank holds the same weights and optimizer state;
@@ -575,7 +677,9 @@ class GRPOTrainer:
                                optimizer=self.opt, scheduler=self.sched, rng=rng,
                                ref_model=self.ref, full_states=full,
                                master_weights=self.master.master if self.master else None,
+                               extra=self.critic.save if self.critic is not None else None,
                                trainer_state={"job": "grpo", "sampler": self.sampler.state(),
+                                              **({"std_ema": self.std_ema} if self.std_ema is not None else {}),
                                               **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
         return path
@@ -605,6 +709,9 @@ class GRPOTrainer:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.sampler.restore(state["trainer"]["sampler"])
         self.step = state["trainer"]["step"]
+        self.std_ema = state["trainer"].get("std_ema")
+        if self.critic is not None:
+            self.critic.load(Path(ckpt))
         self.wandb_run_id = state["trainer"].get("wandb_run_id")
         if self.world.main:   # rank 0 owns the files
             cut_logs(self.run_dir, self.step)

@@ -95,6 +95,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
     adds one line naming the rank, instead of its report."""
     import logging
     import os
+    import signal
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -120,7 +121,10 @@ def _launch(nproc: int, argv: list[str]) -> int:
         return 0
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        causes = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode != LOST_A_RANK)
+        # not a cause: a rank that stopped because another left (LOST_A_RANK), or one the launcher itself
+        # terminated (SIGTERM) once another had failed
+        causes = sorted((f.timestamp, r) for r, f in e.failures.items()
+                        if f.exitcode not in (LOST_A_RANK, -signal.SIGTERM))
         if causes:   # the rank that failed first for its own reason, not one that lost it
             rank = causes[0][1]
             failure = e.failures[rank]
@@ -150,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         import os
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             parser.error("--nproc: already running under torchrun; drop --nproc")
+        problem = _config_problem(args, nproc)   # one line here rather than from a rank the launcher may stop
+        if problem:
+            _error(f"config error: {problem}")
+            return 2
         return _launch(nproc, argv)
     try:
         from . import pipeline  # imported late so `grpolab --help` is instant
@@ -219,6 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         return LOST_A_RANK
 
 
+def _config_problem(args, nproc: int) -> str | None:
+    """What is wrong with the config of a `train`/`demo` run on `nproc` ranks, found before any rank starts."""
+    from . import distributed
+    if args.command not in ("train", "demo"):
+        return None
+    try:
+        if args.command == "train":
+            cfg = load_config(*_config_and_overrides(args))
+        else:
+            cfg = load_config(None, list(args.overrides) + ([f"train.max_steps={args.steps}"] if args.steps else []))
+    except ConfigError as e:
+        return str(e)
+    return distributed.check_world(distributed.World(rank=0, size=nproc, local_rank=0, local_size=nproc),
+                                   cfg.rollout.prompts_per_step)
+
+
 def _config_and_overrides(args) -> tuple[str | None, list[str]]:
     """The optional config file and the overrides (a first `key=value` is an override, not a file)."""
     config_path, overrides = args.config, list(args.overrides)
@@ -243,6 +267,8 @@ def _error(msg: str, same_on_every_rank: bool = False, name_rank: bool = False) 
     import os
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1 and rank > 0 and same_on_every_rank:
+        import time
+        time.sleep(2.0)   # rank 0 says it; leaving later, so that the launcher does not stop rank 0 before it has
         return
     if size > 1 and (rank > 0 or name_rank):
         msg = f"[rank {rank}] {msg}"

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpolab.algorithms.advantages import ADV_ESTIMATORS, SCALE_REWARDS, compute_advantages
+from grpolab.algorithms.advantages import ADV_ESTIMATORS, SCALE_REWARDS, TOKEN_ESTIMATORS, compute_advantages
 from grpolab.algorithms.aggregate import AGG_MODES, aggregate
 from grpolab.algorithms.kl import KL_ESTIMATORS, apply_kl_in_reward, kl_penalty
 from grpolab.algorithms.losses import POLICY_LOSSES, compute_policy_loss
@@ -609,6 +609,7 @@ EXPECTED_PRESETS = {  # preset -> (estimator, scale, loss, eps, eps_hi, beta, ag
     "gspo": ("grpo", "group", "gspo", 3e-4, 4e-4, 0.0, "seq-mean-token-mean", 2, False, 0),
     "rloo": ("rloo", "none", "clip", 0.2, None, 0.0, "seq-mean-token-sum", 1, False, 0),
     "reinforce": ("dr_grpo", "none", "reinforce", 0.2, None, 0.0, "token-mean", 1, False, 0),
+    "ppo": ("gae", "group", "clip", 0.2, None, 0.0, "token-mean", 2, False, 0),
 }
 
 
@@ -619,13 +620,14 @@ def test_presets_are_complete_valid_and_as_published():
     for name, p in PRESETS.items():
         assert set(p) == set(PRESET_KEYS), name
         assert all(k.startswith("algorithm.") for k in p)
-        assert p["algorithm.adv_estimator"] in ADV_ESTIMATORS
+        assert p["algorithm.adv_estimator"] in (*ADV_ESTIMATORS, *TOKEN_ESTIMATORS)
         assert p["algorithm.policy_loss"] in POLICY_LOSSES
         assert p["algorithm.kl_estimator"] in KL_ESTIMATORS
         assert p["algorithm.loss_agg_mode"] in AGG_MODES
         assert p["algorithm.scale_rewards"] in SCALE_REWARDS
         assert tuple(p[f"algorithm.{f}"] for f in fields) == EXPECTED_PRESETS[name], name
     assert PRESETS["grpo"]["algorithm.kl_estimator"] == "k3"
+    assert (PRESETS["ppo"]["algorithm.gamma"], PRESETS["ppo"]["algorithm.lam"]) == (1.0, 0.95)
     assert PRESETS["dapo"]["algorithm.overlong_penalty"] == 1.0
     assert PRESETS["dapo"]["algorithm.mask_truncated_completions"] is False
 
@@ -634,5 +636,5 @@ def test_apply_preset_returns_a_copy_and_rejects_unknown_names():
     p = apply_preset("dapo")
     p["algorithm.beta"] = 1.0
     assert PRESETS["dapo"]["algorithm.beta"] == 0.0
-    with pytest.raises(ValueError, match="grpo, dr_grpo, dapo, gspo, rloo, reinforce"):
-        apply_preset("ppo")
+    with pytest.raises(ValueError, match="grpo, dr_grpo, dapo, gspo, rloo, reinforce, ppo"):
+        apply_preset("trpo")

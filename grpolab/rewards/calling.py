@@ -125,7 +125,7 @@ def bind_keywords(fn, name: str, kwargs: dict, hint: str = "") -> dict:
                if p.default is p.empty and (p.kind is p.POSITIONAL_ONLY or (
                    p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in accepted))]
     if missing:
-        fixed = [k for k in kwargs if k in CALL_ARGS]
+        fixed = [k for k in kwargs if k in CALL_ARGS and k != "policy"]   # (policy: for intrinsic rewards only)
         if fixed:
             cols = [k for k in kwargs if k not in CALL_ARGS]
             passed = f"{', '.join(fixed)} and the dataset columns ({', '.join(cols) or 'none'}) (TRL's convention)"

@@ -5,7 +5,6 @@ metrics.jsonl, checkpoints/step_N, eval.json, summary.json (before/after), repor
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from . import distributed
@@ -14,9 +13,10 @@ from .data.loading import DataError, normalize_rows, read_records
 from .data.preference import preference_rows
 from .data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
 from .logging.console import Console
-from .pipeline import (EVAL_KEYS, _console, _device, _report, fit_prompts, load_data, load_policy, setup_torch,
-                       write_run_config)
+from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, fit_prompts, load_data,
+                       load_policy, setup_torch, write_run_config)
 from .train.checkpoint import find_resume_checkpoint, load_model
+from .utils.files import write_json
 
 BUILTIN_TASKS = ("arithmetic", "gsm8k")
 
@@ -78,10 +78,7 @@ def _start(cfg: Config, job: str, console: Console):
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir)
     ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
-    if ckpt is not None:
-        state = json.loads((Path(ckpt) / "trainer_state.json").read_text())
-        if state.get("job", "grpo") != job:
-            raise ConfigError(f"train.resume: {ckpt} is a {state.get('job', 'grpo')} checkpoint, not {job}")
+    check_resume_job(ckpt, job)
     train_task, test_task, why = task_rows(cfg, console)
     if why:
         console.info(why)
@@ -114,29 +111,23 @@ def _finish(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before:
             before = {f"eval/{k}": v for k, v in before.items()}
         else:   # a freshly initialised model is not worth an evaluation (it is right by chance only)
             before = {} if _fresh(cfg) else trainer.evaluate()
-        _write_json(before_file, before)
+        write_json(before_file, before)
     before = json.loads(before_file.read_text())
     trainer.train()
     after = trainer.evaluate()
-    _write_json(run_dir / "eval.json", {k.removeprefix("eval/"): v for k, v in after.items()})
+    write_json(run_dir / "eval.json", {k.removeprefix("eval/"): v for k, v in after.items()})
     keys = [k for k in after if k.removeprefix("eval/") in (*EVAL_KEYS, "loss")]
     # (summary "before" is empty for a fresh model)
     summary = {"job": trainer.job, "before": {k.removeprefix("eval/"): before[k] for k in keys if k in before},
                "after": {k.removeprefix("eval/"): after[k] for k in keys}, "steps": trainer.max_steps,
                "seed": trainer.cfg.train.seed}
-    _write_json(run_dir / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary)
     if summary["after"]:
         console.table(["metric (held-out)", "before", "after", "change"],
                       [[k, summary["before"].get(k, float("nan")), v, v - summary["before"].get(k, float("nan"))]
                        for k, v in summary["after"].items()], always=True)
     _report(run_dir, console)
     return summary
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def _run(cfg: Config, job: str, console: Console | None, body) -> dict:

@@ -143,6 +143,17 @@ def write_run_config(cfg: Config, run_dir: Path) -> None:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def check_resume_job(ckpt: str | Path | None, job: str) -> None:
+    """A checkpoint to resume must come from the same job (grpo, sft, dpo, distill); ConfigError otherwise.
+    Checkpoints without a job (older GRPO ones) count as grpo."""
+    if ckpt is None:
+        return
+    found = json.loads((Path(ckpt) / "trainer_state.json").read_text()).get("job", "grpo")
+    if found != job:
+        raise ConfigError(f"train.resume: {ckpt} is a {found} checkpoint, not a {job} one; start {job} from it with "
+                          f"model.init_from={ckpt}")
+
+
 def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
     problem = distributed.check_world(distributed.world_from_env(), cfg.rollout.prompts_per_step)
@@ -153,11 +164,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     if cfg.train.resume and distributed.world_from_env().main:
         ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
     ckpt = distributed.broadcast_object(ckpt)
-    if ckpt is not None:
-        job = json.loads((Path(ckpt) / "trainer_state.json").read_text()).get("job", "grpo")
-        if job != "grpo":
-            raise ConfigError(f"train.resume: {ckpt} is a {job} checkpoint, not a GRPO one; start GRPO from it with "
-                              f"model.init_from={ckpt}")
+    check_resume_job(ckpt, "grpo")
     train_rows, test_rows = load_data(cfg)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
         console.info(f"resuming from {ckpt}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from .rewards.combine import score
 from .rollout.engine import generate
 from .rollout.keys import completion_keys
 from .train.checkpoint import load_model
+from .utils.files import write_atomic
 
 SAMPLE_SALT = 0x736D706C   # 'smpl': never the keys of the training rollouts of the same seed
 
@@ -99,11 +99,7 @@ def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console |
                                     "rewards": per_fn(j), **extra})
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, out)
+    write_atomic(out, "".join(json.dumps(rec) + "\n" for rec in records))
     stats = {"prompts": len(rows), "samples": len(rows) * k, "scored": n_scored,
              "reward_at_least_min": n_correct / max(1, n_scored), ("pairs" if sm.pairs else "accepted"): len(records)}
     console.result(f"wrote {len(records)} {'pairs' if sm.pairs else 'rows'} to {out} "

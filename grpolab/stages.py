@@ -22,11 +22,11 @@ CLI overrides apply last, to every stage.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from .config import Config, ConfigError, _apply, _flatten, parse_override, read_yaml
 from .logging.console import Console
+from .utils.files import write_json
 
 JOBS = ("sft", "grpo", "sample", "dpo", "distill")
 
@@ -73,12 +73,6 @@ def _final_checkpoint(run_dir: Path) -> str:
     return str(found[-1])
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 def run_pipeline(path: str | Path, overrides: list[str], console: Console | None = None) -> list[dict]:
     """Run (or, with train.resume=auto, finish) the stages; returns each stage's record."""
     root, stages = stage_configs(path, overrides)
@@ -97,13 +91,13 @@ def run_pipeline(path: str | Path, overrides: list[str], console: Console | None
         else:
             console.result(f"\n=== stage {n}/{len(stages)}: {job} -> {run_dir}")
             rec = _run_stage(n, job, cfg, last, samples, resume, console)
-            _write_json(done, rec)
+            write_json(done, rec)
         records.append(rec)
         if rec.get("checkpoint"):
             last = rec
         if rec.get("output"):
             samples["pairs" if rec.get("pairs") else "samples"] = rec["output"]
-        _write_json(root / "pipeline.json", {"stages": records})
+        write_json(root / "pipeline.json", {"stages": records})
     from .logging.report import write_pipeline_report
     console.result(f"report: {write_pipeline_report(root)}")
     return records

@@ -10,7 +10,7 @@ Each side becomes an SFT row (data/supervised.py), trained on the chosen/rejecte
 from __future__ import annotations
 
 from .loading import DataError, _preview
-from .supervised import _messages
+from .supervised import _messages, as_sft_row
 
 
 def _side(value: object, where: str, name: str):
@@ -62,9 +62,4 @@ def preference_rows(records: list[dict], source: str = "") -> list[dict]:
 
 def side_row(pair: dict, side: str) -> dict:
     """The chosen or rejected side of a pair as an SFT row."""
-    prompt, completion = pair["prompt"], pair[side]
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return {"prompt": prompt, "completion": completion}
-    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
-    return {"messages": msgs + tail, "train_from": len(msgs)}
+    return as_sft_row(pair["prompt"], pair[side])

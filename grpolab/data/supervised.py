@@ -66,24 +66,27 @@ def sft_rows(records: list[dict], *, prompt_key: str = "prompt", response_key: s
             completion = str(completion)
         if isinstance(completion, str) and not completion.strip():
             raise DataError(f"{where}: {response_key!r} is empty; fill it in or drop the row")
-        if isinstance(prompt, str) and isinstance(completion, str):
-            if not prompt.strip():
-                raise DataError(f"{where}: {prompt_key!r} is empty; fill it in or drop the row")
-            out.append({"prompt": prompt, "completion": completion})
-            continue
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
-            _messages(prompt, where, repr(prompt_key))
-        tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else \
-            _messages(completion, where, repr(response_key))
-        out.append({"messages": msgs + tail, "train_from": len(msgs)})
+        if isinstance(prompt, str) and not prompt.strip():
+            raise DataError(f"{where}: {prompt_key!r} is empty; fill it in or drop the row")
+        out.append(as_sft_row(prompt if isinstance(prompt, str) else _messages(prompt, where, repr(prompt_key)),
+                              completion if isinstance(completion, str) else
+                              _messages(completion, where, repr(response_key))))
     return out
+
+
+def as_sft_row(prompt: str | list[dict], completion: str | list[dict]) -> dict:
+    """A checked prompt and completion (text, or messages) as an SFT row: plain text stays prompt +
+    completion; otherwise a conversation trained from the completion's first message on."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return {"prompt": prompt, "completion": completion}
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    tail = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+    return {"messages": msgs + tail, "train_from": len(msgs)}
 
 
 def task_sft_rows(rows: list[dict]) -> list[dict]:
     """The built-in tasks' rows (prompt + worked answer) as SFT rows."""
-    return [{"prompt": r["prompt"], "completion": r["answer"]} if isinstance(r["prompt"], str) else
-            {"messages": [*r["prompt"], {"role": "assistant", "content": r["answer"]}],
-             "train_from": len(r["prompt"])} for r in rows]
+    return [as_sft_row(r["prompt"], r["answer"]) for r in rows]
 
 
 def encode(tokenizer, row: dict) -> Example:

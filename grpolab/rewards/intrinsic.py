@@ -130,5 +130,8 @@ def rlpr(prompts, completions, answer, policy: PolicyView, **_) -> list[float]:
         bare.append(prompt_ids + tok.encode(ANSWER_MARK))
         targets.append(target or [tok.eos_id])
     with_reasoning = policy.mean_token_prob(prefixes, targets)
-    baseline = policy.mean_token_prob(bare, targets)
-    return [min(1.0, max(0.0, r - b)) for r, b in zip(with_reasoning, baseline)]
+    # the reasoning-free baseline depends on the prompt and reference only: once per distinct pair,
+    # not once per completion of the group
+    pairs = list(dict.fromkeys((tuple(b), tuple(t)) for b, t in zip(bare, targets)))
+    base = dict(zip(pairs, policy.mean_token_prob([list(b) for b, _ in pairs], [list(t) for _, t in pairs])))
+    return [min(1.0, max(0.0, r - base[(tuple(b), tuple(t))])) for r, b, t in zip(with_reasoning, bare, targets)]

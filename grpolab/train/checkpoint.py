@@ -34,6 +34,7 @@ from safetensors.torch import load_model as load_safetensors_model
 from ..models import GPT, GPTConfig, CharTokenizer
 from ..models.hf import HFPolicy, load_hf, load_hf_adapter
 from ..models.lora import add_lora
+from ..utils.files import write_atomic
 
 TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
 ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N
@@ -287,6 +288,4 @@ def cut_logs(run_dir: str | Path, step: int, names: tuple[str, ...] = ("metrics.
         path = Path(run_dir) / name
         if path.exists():
             keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, path)
+            write_atomic(path, "".join(ln + "\n" for ln in keep))

@@ -2,6 +2,7 @@
 metrics.jsonl, samples.jsonl, TensorBoard scalars and wandb history as one that never stopped."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -204,7 +205,8 @@ def test_wandb_offline_run_continues_under_the_same_id(tmp_path, monkeypatch):
     straight, resumed, _ = _straight_then_resumed(tmp_path, args)
     runs = sorted((resumed / "wandb").glob("offline-run-*"))
     assert len(runs) == 2   # the interrupted run's directory (copied) and the resumed one
-    ids = {p.name.rsplit("-", 1)[1] for p in runs}
+    # offline-run-<date>_<time>-<id>; wandb adds '-N' to a name already taken (two starts in one second)
+    ids = {re.match(r"offline-run-\d{8}_\d{6}-([^-]+)", p.name).group(1) for p in runs}
     assert len(ids) == 1
     run_id = ids.pop()
     state = json.loads((resumed / "checkpoints" / "step_4" / "trainer_state.json").read_text())

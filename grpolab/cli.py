@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default=DEMO_DIR, help=f"run directory (default {DEMO_DIR})")
     d.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training")
+    d.add_argument("--config", default=None, help="YAML config to demo instead of the defaults, e.g. "
+                   "configs/code_demo.yaml")
     d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-4")
 
     t = sub.add_parser("train", help="run GRPO from a YAML config")
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
             if args.steps is not None:
                 overrides.append(f"train.max_steps={args.steps}")
-            pipeline.run_demo(load_config(None, overrides))
+            pipeline.run_demo(load_config(args.config, overrides))
         elif args.command == "train":
             pipeline.run_train(load_config(*_config_and_overrides(args)))
         elif args.command in ("sft", "dpo", "distill"):
@@ -236,7 +238,7 @@ def _config_problem(args, nproc: int) -> str | None:
         if args.command == "train":
             cfg = load_config(*_config_and_overrides(args))
         else:
-            cfg = load_config(None, list(args.overrides) + ([f"train.max_steps={args.steps}"] if args.steps else []))
+            cfg = load_config(args.config, list(args.overrides) + ([f"train.max_steps={args.steps}"] if args.steps else []))
     except ConfigError as e:
         return str(e)
     return distributed.check_world(distributed.World(rank=0, size=nproc, local_rank=0, local_size=nproc),

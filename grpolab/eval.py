@@ -57,24 +57,38 @@ def _chunks(seq: list, size: int):
         yield seq[i:i + size]
 
 
+def _columns(rows: list[dict] | None, answers: list, reward: str, repeat: int) -> dict:
+    """What the correctness check is called with besides the completions: the answers, and for
+    code_exec the prompts and the rows' test columns; each repeated `repeat` times (k samples)."""
+    rep = lambda xs: [x for x in xs for _ in range(repeat)]  # noqa: E731
+    if reward != "code_exec" or rows is None:
+        return {"prompts": None, "answer": rep(answers)}
+    keys = ("test", "entry_point", "test_cases", "answer")
+    return {"prompts": rep([r["prompt"] for r in rows]), **{k: rep([r.get(k) for r in rows]) for k in keys}}
+
+
 def score_samples(greedy: list[str], samples: list[str], answers: list[str | int | float], k: int,
-                  reward: str = "gsm8k_accuracy") -> tuple[dict, list[bool]]:
+                  reward: str = "gsm8k_accuracy", rows: list[dict] | None = None) -> tuple[dict, list[bool]]:
     """Metrics of given completions: greedy accuracy and, when k > 1 (`samples` holds k per
     problem, in order), pass@1..k and maj@k. Returns (metrics, per-problem greedy correctness).
 
-    maj@k votes on the final answers as the `reward` check reads them (samples with no answer
-    cast no vote; a tie goes to the answer seen first) and counts the problem right when that
-    answer is right.
+    A completion is correct when the `reward` check gives it 1.0 (for code_exec: passes every test;
+    `rows` then supply the prompts and test columns). maj@k votes on the final answers as the
+    `reward` check reads them (samples with no answer cast no vote; a tie goes to the answer seen
+    first) and counts the problem right when that answer is right; code has no final answer to
+    vote on, so code_exec reports no maj@k.
     """
     check = get_reward(reward)
     n = len(answers)
-    greedy_ok = [v == 1.0 for v in check(prompts=None, completions=greedy, answer=answers)]
+    greedy_ok = [v == 1.0 for v in check(completions=greedy, **_columns(rows, answers, reward, 1))]
     out = {"greedy_accuracy": sum(greedy_ok) / n}
     if k > 1:
-        ok = [v == 1.0 for v in check(prompts=None, completions=samples, answer=[a for a in answers for _ in range(k)])]
+        ok = [v == 1.0 for v in check(completions=samples, **_columns(rows, answers, reward, k))]
         correct = [int(sum(ok[i * k:(i + 1) * k])) for i in range(n)]
         for j in sorted({1, k} | {x for x in (2, 4) if x < k}):
             out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / n
+        if reward == "code_exec":
+            return out, greedy_ok
         maj = 0
         for i in range(n):
             keys = [answer_key(s, reward) for s in samples[i * k:(i + 1) * k]]
@@ -116,7 +130,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             samples += _decode(tokenizer, generate(model, chunk, num_generations=k, max_new_tokens=max_new_tokens,
                                                    temperature=temperature, stop_ids=stop,
                                                    pad_id=tokenizer.pad_id, keys=keys))
-    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward)
+    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows)
     out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
                        **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}
                       for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]

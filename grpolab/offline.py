@@ -13,12 +13,12 @@ from .data.loading import DataError, normalize_rows, read_records
 from .data.preference import preference_rows
 from .data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
 from .logging.console import Console
-from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, fit_prompts, load_data,
-                       load_policy, setup_torch, write_run_config)
+from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, configure_rewards, fit_prompts,
+                       load_data, load_policy, setup_torch, write_run_config)
 from .train.checkpoint import find_resume_checkpoint, load_model
 from .utils.files import write_json
 
-BUILTIN_TASKS = ("arithmetic", "gsm8k")
+BUILTIN_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval")
 
 
 def _read_sft(cfg: Config, path: str, split: str) -> list[dict]:
@@ -31,6 +31,7 @@ def task_rows(cfg: Config, console: Console) -> tuple[list[dict], list[dict], st
     """(train rows, test rows for accuracy, why there is no accuracy eval or None). Built-in tasks
     always have answers; a files task is evaluated when its rows have data.prompt_key and data.answer_key."""
     if cfg.data.task in BUILTIN_TASKS:
+        configure_rewards(cfg, console)
         train, test = load_data(cfg)
         return train, test, None
     d = cfg.data

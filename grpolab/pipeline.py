@@ -13,7 +13,8 @@ import yaml
 from . import distributed
 from .config import Config, ConfigError, check_output_dir
 from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
-from .data.tasks import arithmetic
+from .data.tasks import arithmetic, pyfunc
+from .data.tasks.humaneval import load_humaneval
 from .data.tasks.gsm8k import load_gsm8k
 from .determinism import pin_cpu_numerics
 from .eval import evaluate
@@ -49,6 +50,15 @@ def _console(cfg: Config) -> Console:
     return Console(level=cfg.log.level) if distributed.world_from_env().main else Console(quiet=True)
 
 
+def configure_rewards(cfg: Config, console: Console | None = None) -> None:
+    """Before any work: reward.code_exec's limits for code_exec (also when a user reward calls it); when
+    code_exec scores this run, check the sandbox works on this machine (a one-line error with the fix
+    if not). A warning on every run when the sandbox is off."""
+    from .rewards import code
+    listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec"
+    code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
+
+
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     """(train rows, test rows), each row with 'prompt', 'answer' and any other columns."""
     d = cfg.data
@@ -57,6 +67,12 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
                                            max_value=d.max_value, allow_mul=d.allow_mul)
         train = arithmetic.generate("train", d.train_size, cfg.train.seed, task)
         test = arithmetic.generate("test", d.test_size, cfg.train.seed, task)
+    elif d.task == "pyfunc":
+        train = pyfunc.generate("train", d.train_size, cfg.train.seed)
+        test = pyfunc.generate("test", d.test_size, cfg.train.seed)
+    elif d.task == "humaneval":   # an eval set: train on it only to smoke-test a setup
+        test = load_humaneval(d.test_path)
+        train = load_humaneval(d.train_path) if d.train_path else test
     elif d.task == "gsm8k":
         source = d.train_path or "openai/gsm8k"
         train = load_gsm8k(source, d.train_split)
@@ -73,7 +89,8 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 # verl's name for a dataset, for rows without their own data_source column: verl-style rewards
 # dispatch on it (verl's default_compute_score knows 'openai/gsm8k')
-DATA_SOURCES = {"arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k"}
+DATA_SOURCES = {"arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k", "pyfunc": "grpolab/pyfunc",
+                "humaneval": "openai/openai_humaneval"}
 
 
 def _with_data_source(rows: list[dict], d) -> list[dict]:
@@ -165,6 +182,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
         ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
     ckpt = distributed.broadcast_object(ckpt)
     check_resume_job(ckpt, "grpo")
+    configure_rewards(cfg, console)
     train_rows, test_rows = load_data(cfg)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
         console.info(f"resuming from {ckpt}")
@@ -254,6 +272,7 @@ def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: 
     console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=cfg.model.device)
+    configure_rewards(cfg, console)
     _, test_rows = load_data(cfg)
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
     e = cfg.eval

@@ -16,7 +16,7 @@ import torch
 
 from .config import Config
 from .logging.console import Console
-from .pipeline import _device, fit_prompts, load_data
+from .pipeline import _device, configure_rewards, fit_prompts, load_data
 from .rewards import reward_names
 from .rewards.combine import score
 from .rollout.engine import generate
@@ -60,6 +60,7 @@ def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console |
     setup_torch(cfg)
     sm, r, w = cfg.sample, cfg.rollout, cfg.reward
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=_device(cfg))
+    configure_rewards(cfg, console)
     rows, _ = load_data(cfg)
     rows = fit_prompts(cfg, model, tok, rows, console, "train")
     rows = rows[:sm.num_prompts] if sm.num_prompts else rows

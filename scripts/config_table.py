@@ -8,17 +8,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- config-table -->", "<!-- /config-table -->"
+NESTED = {"codeexec": "reward.code_exec"}   # sections nested in another (their own dataclass)
 
 
 def table() -> str:
     rows, section = ["| key | default | meaning |", "| --- | --- | --- |"], None
     for line in (ROOT / "grpolab" / "config.py").read_text().splitlines():
         if m := re.match(r"class (\w+)Config\b", line):
-            section = m.group(1).lower()
+            section = NESTED.get(m.group(1).lower(), m.group(1).lower())
             continue
         if line.startswith("class Config") or line.startswith("def "):
             section = None
         if section and (m := re.match(r"\s+(\w+): ([^=]+)= (.+?)(?:\s+#\s*(.*))?$", line)):
+            if m.group(3).startswith("field(default_factory=") and m.group(3)[22:].split(")")[0][0].isupper():
+                continue   # a nested section: its keys are listed under their own name
             default = re.sub(r"field\(default_factory=lambda: (.*)\)", r"\1", m.group(3).strip())
             rows.append(f"| `{section}.{m.group(1)}` | `{default}` | {(m.group(4) or '').replace('|', '/')} |")
         elif section and (m := re.match(r"\s+#\s+(.*)$", line)) and len(rows) > 2:

@@ -20,6 +20,7 @@ import re
 from typing import Callable
 
 from .answers import gsm8k_accuracy
+from .code import code_exec
 from .errors import RewardError, UnknownRewardError
 from .format import answer_format, think_format
 from . import length as _length  # not `from .length import length`: keep rewards.length the module
@@ -35,6 +36,8 @@ REWARDS: dict[str, RewardFn] = {
     "math_accuracy": math_accuracy,
     "think_format": think_format,
     "length": _length.length,
+    # runs the completion's program against the row's tests in a sandbox (rewards/code.py, grpolab/sandbox)
+    "code_exec": code_exec,
     # intrinsic (rewards/intrinsic.py): read the current policy, no labels (rlpr reads the reference)
     "self_certainty": self_certainty,
     "token_entropy": token_entropy,

@@ -520,7 +520,7 @@ class GRPOTrainer:
         recs = dist.unstride(dist.gather_objects(samples))   # every problem's record, in problem order
         k = len(recs[0].get("samples", [])) or 1
         out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
-                               [r["answer"] for r in recs], k, e.reward)
+                               [r["answer"] for r in recs], k, e.reward, self.test_rows[:len(recs)])
         return out
 
     def train_step(self) -> dict:

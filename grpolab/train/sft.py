@@ -123,16 +123,18 @@ def task_eval(cfg, model, tokenizer, rows: list[dict]) -> dict:
 
 
 def warm_start_hook(cfg, n_rows: int):
-    """The demo's warm-start recipe on the arithmetic task: worked answers, then for the last
-    sft.bare_steps steps a seeded sft.bare_fraction of bare '#### N' answers (None when off)."""
-    from ..data.tasks.arithmetic import warm_start_mixer
+    """The demos' warm-start recipe: correct answers, then for the last sft.bare_steps steps a seeded
+    sft.bare_fraction of guesses: bare '#### N' answers (arithmetic) or a guessed constant (pyfunc).
+    None when off or for other tasks."""
+    from ..data.tasks import arithmetic, pyfunc
     from .loop import total_steps
     s = cfg.sft
-    if cfg.data.task != "arithmetic" or s.train_path or s.bare_fraction <= 0:
+    mixers = {"arithmetic": arithmetic.warm_start_mixer, "pyfunc": pyfunc.warm_start_mixer}
+    if cfg.data.task not in mixers or s.train_path or s.bare_fraction <= 0:
         return None
     steps = total_steps(s, n_rows)
-    return warm_start_mixer(s.bare_fraction, max(0, steps - s.bare_steps) if s.bare_steps else 0, cfg.train.seed,
-                            key="completion")
+    return mixers[cfg.data.task](s.bare_fraction, max(0, steps - s.bare_steps) if s.bare_steps else 0,
+                                 cfg.train.seed, key="completion")
 
 
 def train_sft(model, tokenizer, rows: list[dict], cfg, log=None, batch_hook=None) -> list[float]:

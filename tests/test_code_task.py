@@ -148,6 +148,20 @@ def test_ctrl_c_kills_every_sandbox_at_once(tmp_path):
     assert not _sandboxes(str(tmp_path))
 
 
+def test_the_sandboxes_die_with_a_killed_trainer(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "GRPOLAB_CTRL_C_TEST": str(tmp_path)})
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(2.0)
+    assert len(_sandboxes(str(tmp_path))) >= 2
+    proc.kill()   # SIGKILL: no handler runs in the trainer
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _sandboxes(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _sandboxes(str(tmp_path))
+
+
 def _sandboxes(tag: str) -> list[int]:
     """PIDs of this test's sandbox processes (launchers and everything under them carry its env tag)."""
     out = []

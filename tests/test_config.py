@@ -67,15 +67,25 @@ def test_readme_documents_every_config_key():
     import dataclasses
     from conftest import ROOT
     readme = (ROOT / "README.md").read_text()
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(getattr(Config(), section.name)):
-            assert f"`{section.name}.{f.name}`" in readme, f"{section.name}.{f.name} missing from README"
+
+    def keys(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):   # a nested section: reward.code_exec.*
+                yield from keys(value, f"{prefix}.{f.name}")
+            else:
+                yield f"{prefix}.{f.name}"
+    found = list(keys(Config(), ""))
+    assert "reward.code_exec.timeout" in [k[1:] for k in found]
+    for key in found:
+        assert f"`{key[1:]}`" in readme, f"{key[1:]} missing from README"
 
 
 def test_example_configs_load_and_validate():
     from pathlib import Path
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
-    assert {p.name for p in configs} >= {"demo.yaml", "gsm8k_tiny_hf.yaml", "gsm8k_qwen.yaml", "r1_pipeline.yaml"}
+    assert {p.name for p in configs} >= {"demo.yaml", "code_demo.yaml", "gsm8k_tiny_hf.yaml", "gsm8k_qwen.yaml",
+                                         "r1_pipeline.yaml"}
     from grpolab.stages import stage_configs
     for p in configs:
         if "stages:" in p.read_text():   # a pipeline: every stage's config is built and validated

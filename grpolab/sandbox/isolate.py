@@ -224,6 +224,7 @@ def enter(base: str, extra_dirs: list[str], tmp_mb: int, report_fd: int = 1) -> 
         os.setresuid(0, 0, 0)
     except OSError as e:
         _fail(report_fd, f"switching to the sandbox's user: {e}")
+    die_with_parent(launcher)   # again: unshare and setresuid changed our credentials, which clears it
     init = os.fork()
     if init:
         _wait_and_exit(init)
@@ -234,6 +235,7 @@ def enter(base: str, extra_dirs: list[str], tmp_mb: int, report_fd: int = 1) -> 
         drop_privileges()
     except Exception as e:  # noqa: BLE001 - any failure to isolate is reported, never run unisolated
         _fail(report_fd, f"{type(e).__name__}: {e}")
+    die_with_parent(None)   # again: dropping capabilities changed our credentials, which clears it
     # PID 1 ignores signals it has no handler for; keep it that way for the ones Python handles
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.environ.clear()

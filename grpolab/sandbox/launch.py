@@ -1,8 +1,9 @@
-"""Sandbox entry point, run by the host as `python -I -S launch.py` with a JSON job on stdin.
+"""Sandbox entry point, run by the host as `python -I -S launch.py HOST_PID` with a JSON batch on stdin.
 
 A fresh interpreter, standard library only, single-threaded (as unshare(CLONE_NEWUSER) needs).
-It reads the job and the worker's source, enters the sandbox (unless the job says not to) and runs
-the judge, whose one-line JSON report is the only thing written to stdout.
+It reads the batch and the worker's source, enters the sandbox (unless the batch says not to) and
+runs the judge, whose reports (one JSON line per program) are the only thing written to stdout.
+It dies with the host process (PR_SET_PDEATHSIG), and the sandbox with it.
 """
 
 import json
@@ -19,6 +20,7 @@ JUDGE_MEMORY = 2 << 30
 
 
 def main() -> None:
+    isolate.die_with_parent(int(sys.argv[1]))   # the trainer dies -> this launcher, then the sandbox under it
     job = json.loads(sys.stdin.buffer.read())
     worker = judge.worker_source()
     sys.stdin.close()

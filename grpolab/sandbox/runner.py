@@ -99,8 +99,9 @@ def _one_sandbox(jobs: list[tuple[str, dict]], limits: Limits, unsafe: bool) -> 
         with _LIVE_LOCK:
             if _STOPPING.is_set():   # Ctrl-C: start no more sandboxes
                 raise KeyboardInterrupt
-            proc = subprocess.Popen([exe, "-I", "-S", "-B", LAUNCH], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, cwd="/", close_fds=True)
+            proc = subprocess.Popen([exe, "-I", "-S", "-B", LAUNCH, str(os.getpid())], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/",
+                                    close_fds=True)
             _LIVE.add(proc)
         try:
             out, err = proc.communicate(json.dumps(batch).encode(), timeout=wait)

@@ -3,9 +3,11 @@ and the sandbox's start-up error, unsafe mode and Ctrl-C."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,3 +198,34 @@ def test_grpo_on_pyfunc_is_scored_by_code_exec_and_bit_identical_across_runs(tmp
     steps = [m for m in metrics if "rewards/code_exec/mean" in m]
     assert len(steps) == 2 and all("code_exec/timeout_rate" in m for m in steps)
     assert (final, metrics) == _code_run(tmp_path / "b")
+
+
+NON_ROOT = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("runner", sys.argv[1])
+runner = importlib.util.module_from_spec(spec)
+sys.modules["runner"] = runner
+spec.loader.exec_module(runner)
+probe = "import os\\ndef f():\\n    raise ValueError(repr((os.getuid(), sorted(os.listdir('/')))))\\n"
+ok = runner.run_program("def f(x):\\n    return x + 1\\n", {"mode": "check", "test": "def check(c):\\n    assert c(1) == 2\\n",
+                                                       "entry_point": "f"})
+seen = runner.run_program(probe, {"mode": "check", "test": "def check(c):\\n    c()\\n", "entry_point": "f"})
+print(os.getuid(), ok.status, seen.detail)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not shutil.which("runuser"),
+                    reason="needs root (to become another user), runuser and a system Python")
+def test_an_unprivileged_trainer_gets_the_same_sandbox():
+    """The non-root path: the sandbox's root maps to the trainer's own uid (here 'nobody', with the system
+    Python, which that user can run); the program sees uid 0 of its namespace and the same bare root."""
+    runner = ROOT / "grpolab" / "sandbox" / "runner.py"
+    out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", NON_ROOT, str(runner)],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    uid, status, detail = out.stdout.strip().split(" ", 2)
+    assert uid != "0" and status == "passed"
+    assert detail.startswith("ValueError: ")
+    ns_uid, listing = ast.literal_eval(detail[len("ValueError: "):])
+    assert ns_uid == 0 and {"dev", "etc", "proc", "tmp", "usr"} <= set(listing)
+    assert set(listing) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from grpolab.config import ConfigError, load_config
 from grpolab.data.tasks import pyfunc
 from grpolab.rewards import code as code_reward
 from grpolab.rewards.code import code_exec, extract_program, prompt_code, stdio_cases
-from grpolab.sandbox import Limits, SandboxError, run_programs
+from grpolab.sandbox import SandboxError
 from grpolab.sandbox.runner import _verdicts
 
 ROOT = Path(__file__).resolve().parents[1]

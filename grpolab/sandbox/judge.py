@@ -27,7 +27,6 @@ import resource
 import select
 import signal
 import struct
-import sys
 import time
 
 try:

@@ -58,7 +58,7 @@ class Judge:
 
     # ------------------------------------------------------------ processes
     def _limits(self) -> None:
-        """In the worker, before exec: resource limits, its own session."""
+        """In the worker, before exec: its resource limits."""
         j = self.job
         cpu = max(1, int(float(j["timeout"]) + 1))
         for res, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, j["memory_mb"] << 20),

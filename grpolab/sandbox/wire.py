@@ -25,7 +25,7 @@ def encode(x, depth=0):
     t = type(x)
     if x is None or t is bool:
         return x
-    if isinstance(x, int) and t is not bool and not isinstance(x, bool):
+    if isinstance(x, int):   # (bool is handled above)
         return int.__index__(x)
     if isinstance(x, float):
         v = float.__float__(x)

@@ -32,8 +32,9 @@ class ArithmeticConfig:
     test_fraction: float = 0.1
 
 
-def _split_of(prompt: str, test_fraction: float) -> str:
-    h = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+def split_of(key: str, test_fraction: float) -> str:
+    """'test' for a share `test_fraction` of keys (by their SHA-256), else 'train': a key's split never changes."""
+    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
     return "test" if h < test_fraction else "train"
 
 
@@ -77,7 +78,7 @@ def generate(split: str, n: int, seed: int = 0, cfg: ArithmeticConfig | None = N
         if tries > 200 * n + 10_000:
             raise ValueError(f"could not find {n} distinct {split} problems; raise max_operand or lower n")
         row = make_problem(rng, cfg)
-        if row["prompt"] in seen or _split_of(row["prompt"], cfg.test_fraction) != split:
+        if row["prompt"] in seen or split_of(row["prompt"], cfg.test_fraction) != split:
             continue
         seen.add(row["prompt"])
         rows.append(row)

@@ -19,8 +19,9 @@ in training under any seed or size (its operation and constant are, under other 
 
 from __future__ import annotations
 
-import hashlib
 import random
+
+from .arithmetic import split_of
 
 # (key, description, body with {a} = argument, {k} = constant or None, kind: 'list' | 'int')
 OPERATIONS = [
@@ -54,11 +55,6 @@ ARGS = {"list": ("xs", "nums"), "int": ("n", "m")}
 N_EXAMPLES, N_TESTS = 1, 5
 
 
-def _split_of(key: str, test_fraction: float) -> str:
-    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return "test" if h < test_fraction else "train"
-
-
 def problems(split: str, test_fraction: float = 0.2) -> list[tuple]:
     """Every (operation, k, function, argument) of `split`, in a fixed order."""
     out = []
@@ -67,7 +63,7 @@ def problems(split: str, test_fraction: float = 0.2) -> list[tuple]:
         for k in ks:
             for fn in FUNCTIONS:
                 for arg in ARGS[op[3]]:
-                    if _split_of(f"{op[0]}/{k}/{fn}/{arg}", test_fraction) == split:
+                    if split_of(f"{op[0]}/{k}/{fn}/{arg}", test_fraction) == split:
                         out.append((op, k, fn, arg))
     return out
 

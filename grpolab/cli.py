@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="warm start the built-in model, GRPO, before/after table")
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: train.max_steps)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--out", default=DEMO_DIR, help=f"run directory (default {DEMO_DIR})")
+    d.add_argument("--out", default=None, help=f"run directory (default: a train.output_dir=... override, else {DEMO_DIR})")
     d.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training")
     d.add_argument("--config", default=None, help="YAML config to demo instead of the defaults, e.g. "
                    "configs/code_demo.yaml")
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         from .export import ExportError
 
         if args.command == "demo":
-            overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={args.out}"]
+            out = args.out or next((o.split("=", 1)[1] for o in reversed(args.overrides)
+                                    if o.startswith("train.output_dir=")), DEMO_DIR)
+            overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={out}"]
             if args.steps is not None:
                 overrides.append(f"train.max_steps={args.steps}")
             pipeline.run_demo(load_config(args.config, overrides))

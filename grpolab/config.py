@@ -71,6 +71,9 @@ class SFTConfig:
     #                                pyfunc: share of bodies that are another operation's (a guess) ...
     bare_steps: int = 100          # ... in the last N steps (before them: worked answers only; 0, or >= sft.steps =
     #                                mix bare answers in from the first step). sft.train_path rows are never changed
+    tool_fraction: float = 0.0     # arithmetic task: share of worked steps written as calculator calls in the
+    #                                built-in model's tool tokens (the result, which the engine writes at rollout time, is
+    #                                not trained on). With rollout.tools: [calculator] (configs/tools_demo.yaml)
 
 
 @dataclass
@@ -165,6 +168,14 @@ class RolloutConfig:
     #                                model's own forward with its DynamicCache. Other models always use the latter
     ignore_eos: bool = False       # rollouts never stop at the stop token: every completion runs to max_new_tokens
     #                                (benchmarks; a sampled stop token is then an ordinary token; eval still stops)
+    tools: list = field(default_factory=list)  # tools the model may call mid-completion (rollouts and eval):
+    #                                calculator | python (runs in reward.code_exec's sandbox) | 'module:fn' |
+    #                                'file.py:fn' (type hints + Google docstring: its schema). [] = no tools
+    max_tool_calls: int = 4        # calls per completion; a call beyond it is answered with an error text
+    max_completion_tokens: int | None = None  # with tools: completion positions the model's tokens and the tools'
+    #                                outputs fill together (null = max_new_tokens, which still caps the sampled ones)
+    tool_timeout: float = 10.0     # seconds one call may take; then the model is told it timed out
+    tool_output_max_chars: int = 500  # a longer tool output is cut, with a '...[truncated N chars]' marker
 
 
 @dataclass
@@ -564,6 +575,14 @@ def validate(cfg: Config) -> None:
           "rollout.temperature: must be > 0 (RL samples; use eval for greedy)")
     _need(r.top_k >= 0, "rollout.top_k: must be >= 0 (0 = off)")
     _need(0 < r.top_p <= 1, "rollout.top_p: must be in (0, 1]")
+    _need(isinstance(r.tools, list) and all(isinstance(t, str) and t for t in r.tools),
+          "rollout.tools: must be a list of tool names or 'module:fn' specs, e.g. [calculator]")
+    _need(r.max_tool_calls >= 1, "rollout.max_tool_calls: must be >= 1")
+    _need(r.max_completion_tokens is None or r.max_completion_tokens >= r.max_new_tokens,
+          f"rollout.max_completion_tokens: must be >= rollout.max_new_tokens={r.max_new_tokens} (or null)")
+    _need(r.tool_timeout > 0, "rollout.tool_timeout: must be > 0 seconds")
+    _need(r.tool_output_max_chars >= 1, "rollout.tool_output_max_chars: must be >= 1")
+    _need(0 <= cfg.sft.tool_fraction <= 1, "sft.tool_fraction: must be in [0, 1]")
 
     w = cfg.reward
     _need(len(w.functions) >= 1, "reward.functions: list at least one reward, e.g. [gsm8k_accuracy]")

@@ -48,8 +48,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _decode(tokenizer, gen) -> list[str]:
-    return [tokenizer.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.completion_mask)]
+def _decode(tokenizer, gen, calls: list | None = None) -> list[str]:
+    """Completion texts (tool calls and results inline); with `calls`, each row's tool calls are appended to it."""
+    if calls is not None and gen.tool_calls is not None:
+        calls += gen.tool_calls
+    return [tokenizer.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.context_mask)]
 
 
 def _chunks(seq: list, size: int):
@@ -102,7 +105,7 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
 
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
-             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None) -> dict:
+             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None) -> dict:
     """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k.
 
     `reward` names the correctness check (gsm8k_accuracy or math_accuracy). maj@k takes
@@ -110,15 +113,19 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     giving it are right. Returns a metrics dict plus 'samples': one record per problem.
     Sample j of problem i is keyed by (seed, row_ids[i], j) (`row_ids` default 0..n-1): a
     problem gets the same samples whatever the batch size or the split of the problems.
+    `tools` (rollout/tool_decode.ToolUse): the model may call tools; the greedy completions' calls per
+    completion are reported as `tool_calls_per_completion`.
     """
     row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
     prompts = [tokenizer.render_prompt(r["prompt"]) for r in rows]
     answers = [r["answer"] for r in rows]
     stop = tokenizer.stop_ids
     greedy: list[str] = []
+    calls: list[list[dict]] = []
     for chunk in _chunks(prompts, batch_size):
         greedy += _decode(tokenizer, generate(model, chunk, num_generations=1, max_new_tokens=max_new_tokens,
-                                              temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id))
+                                              temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id,
+                                              tools=tools), calls)
     samples: list[str] = []
     if k > 1:
         per = max(1, batch_size // k)
@@ -129,9 +136,12 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             keys = completion_keys(seed ^ EVAL_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
             samples += _decode(tokenizer, generate(model, chunk, num_generations=k, max_new_tokens=max_new_tokens,
                                                    temperature=temperature, stop_ids=stop,
-                                                   pad_id=tokenizer.pad_id, keys=keys))
+                                                   pad_id=tokenizer.pad_id, keys=keys, tools=tools))
     out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows)
+    if tools is not None:
+        out["tool_calls_per_completion"] = sum(map(len, calls)) / max(1, len(calls))
     out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
+                       **({"greedy_tool_calls": calls[i]} if tools is not None else {}),
                        **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}
                       for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]
     return out

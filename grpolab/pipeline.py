@@ -21,11 +21,12 @@ from .eval import evaluate
 from .logging.console import Console
 from .models import CharTokenizer, build_builtin
 from .models.hf import load_hf, resolve_device
+from .rollout.tool_decode import build_tool_use
 from .train.checkpoint import find_resume_checkpoint, load_model
 from .train.grpo import GRPOTrainer
 from .train.sft import train_sft, warm_start_hook
 
-EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8")
+EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8", "tool_calls_per_completion")
 
 
 def setup_torch(cfg: Config) -> None:
@@ -55,8 +56,12 @@ def configure_rewards(cfg: Config, console: Console | None = None) -> None:
     code_exec scores this run, check the sandbox works on this machine (a one-line error with the fix
     if not). A warning on every run when the sandbox is off."""
     from .rewards import code
-    listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec"
+    # the python tool runs programs in the same sandbox
+    listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec" or "python" in cfg.rollout.tools
     code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
+    if cfg.rollout.tools:   # a bad tool spec fails here, before any warm start
+        from .rollout.tools import load_tools
+        load_tools(list(cfg.rollout.tools))
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -109,13 +114,18 @@ def _read_split(d, path: str, split: str) -> list[dict]:
 
 def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, split: str) -> list[dict]:
     """Drop (or reject) prompts longer than data.max_prompt_length, or than leaves room in the
-    model's context for rollout.max_new_tokens."""
+    model's context for rollout.max_new_tokens (with tools: rollout.max_completion_tokens)."""
+    r = cfg.rollout
+    if r.tools:   # a chat template renders the tools into the prompt: measure prompts as they will be
+        build_tool_use(r, tok).close()
     limit = cfg.data.max_prompt_length
     context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", None)
     if context:
-        room = context - cfg.rollout.max_new_tokens
+        key, budget = (("max_completion_tokens", r.max_completion_tokens) if r.tools and r.max_completion_tokens
+                       else ("max_new_tokens", r.max_new_tokens))
+        room = context - budget
         if room < 1:
-            raise DataError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+            raise DataError(f"rollout.{key}={budget} leaves no room for a prompt in "
                             f"the model's context of {context} tokens")
         limit = min(limit, room) if limit else room
     if not limit:
@@ -148,7 +158,10 @@ def load_policy(cfg: Config, train_rows: list[dict], console: Console, warm_star
     console.info(f"built-in GPT: {model.num_params() / 1e6:.2f}M parameters")
     if cfg.sft.steps and warm_start:
         t0 = time.perf_counter()
-        train_sft(model, tok, train_rows, cfg, log=console.info, batch_hook=warm_start_hook(cfg, len(train_rows)))
+        sft_rows = train_rows
+        if cfg.sft.tool_fraction and cfg.data.task == "arithmetic":   # worked steps that call the calculator
+            sft_rows = [arithmetic.with_calculator(r, cfg.sft.tool_fraction, cfg.train.seed) for r in train_rows]
+        train_sft(model, tok, sft_rows, cfg, log=console.info, batch_hook=warm_start_hook(cfg, len(train_rows)))
         console.info(f"warm start done in {time.perf_counter() - t0:.0f}s")
     model.eval()
     return model, tok
@@ -278,7 +291,7 @@ def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: 
     e = cfg.eval
     res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
-                   reward=e.reward)
+                   reward=e.reward, tools=build_tool_use(cfg.rollout, tok, checkpoint))
     samples = res.pop("samples")
     out_dir = Path(out or checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from .rewards import reward_names
 from .rewards.combine import score
 from .rollout.engine import generate
 from .rollout.keys import completion_keys
+from .rollout.tool_decode import build_tool_use
 from .train.checkpoint import load_model
 from .utils.files import write_atomic
 
@@ -63,6 +64,7 @@ def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console |
     configure_rewards(cfg, console)
     rows, _ = load_data(cfg)
     rows = fit_prompts(cfg, model, tok, rows, console, "train")
+    tools = build_tool_use(cfg.rollout, tok, checkpoint)   # rollout.tools: samples may call them (SFT masks outputs)
     rows = rows[:sm.num_prompts] if sm.num_prompts else rows
     names = reward_names(w.functions)
     k = sm.k
@@ -75,11 +77,11 @@ def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console |
         keys = completion_keys(cfg.train.seed ^ SAMPLE_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
         gen = generate(model, [tok.render_prompt(x["prompt"]) for x in chunk], num_generations=k,
                        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                       stop_ids=tok.stop_ids, pad_id=tok.pad_id, keys=keys)
-        texts = [tok.decode(c[m].tolist()) for c, m in zip(gen.completion_ids, gen.completion_mask)]
+                       stop_ids=tok.stop_ids, pad_id=tok.pad_id, keys=keys, tools=tools)
+        texts = [tok.decode(c[m].tolist()) for c, m in zip(gen.completion_ids, gen.context_mask)]
         columns = {c: [x[c] for x in chunk for _ in range(k)] for c in chunk[0] if c != "prompt"}
         total, cols = score(w.functions, w.weights, [x["prompt"] for x in chunk for _ in range(k)], texts, columns,
-                            completion_ids=[c[m].tolist() for c, m in zip(gen.completion_ids, gen.completion_mask)])
+                            completion_ids=[c[m].tolist() for c, m in zip(gen.completion_ids, gen.context_mask)])
         for i, row in enumerate(chunk):
             comp = texts[i * k:(i + 1) * k]
             rew = [float(v) for v in total[i * k:(i + 1) * k]]

@@ -23,6 +23,7 @@ def table() -> str:
             if m.group(3).startswith("field(default_factory=") and m.group(3)[22:].split(")")[0][0].isupper():
                 continue   # a nested section: its keys are listed under their own name
             default = re.sub(r"field\(default_factory=lambda: (.*)\)", r"\1", m.group(3).strip())
+            default = {"field(default_factory=list)": "[]", "field(default_factory=dict)": "{}"}.get(default, default)
             rows.append(f"| `{section}.{m.group(1)}` | `{default}` | {(m.group(4) or '').replace('|', '/')} |")
         elif section and (m := re.match(r"\s+#\s+(.*)$", line)) and len(rows) > 2:
             rows[-1] = rows[-1][:-2] + " " + m.group(1).replace("|", "/") + " |"

@@ -90,7 +90,7 @@ def test_different_seed_gives_different_metrics(tmp_path):
 
 def test_demo_cli_writes_summary_and_eval_cli_reads_the_checkpoint(tmp_path):
     out = tmp_path / "demo"
-    r = run_cli("demo", "--steps", "2", "--seed", "3", "--out", str(out), *TINY)
+    r = run_cli("demo", "--steps", "2", "--seed", "3", *TINY, f"train.output_dir={out}")   # as --out does
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "summary.json").read_text())
     for side in ("before", "after"):

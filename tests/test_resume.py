@@ -153,6 +153,9 @@ CASES = {
     "beta": ["algorithm.beta=0.04", "log.tensorboard=true"],
     "num_iterations": ["algorithm.num_iterations=2", "algorithm.beta=0.04"],
     "dynamic_sampling": ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"],
+    # calculator calls inside the rollouts (warm start on worked steps that all call it)
+    "tools": ["rollout.tools=[calculator]", "sft.tool_fraction=1.0", "sft.steps=40", "rollout.max_new_tokens=40",
+              "rollout.max_completion_tokens=48"],
 }
 
 
@@ -170,6 +173,10 @@ def test_resume_from_an_explicit_path_rewrites_the_same_records(tmp_path, case):
     assert a == b
     if case == "dynamic_sampling":
         assert any(m["dynamic_sampling/rounds"] > 1 for m in a)   # the data position moved unevenly
+    if case == "tools":   # calls happened, and the records show them
+        assert all(m["tools/calls_per_completion"] > 0 for m in a), a
+        recs = [json.loads(ln) for ln in (resumed / "samples.jsonl").read_text().splitlines()]
+        assert any(r["tool_calls"] and "<|out|>" in r["completion"] for r in recs)
     samples = (resumed / "samples.jsonl").read_text()
     assert [json.loads(ln)["step"] for ln in samples.splitlines()] == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
     assert samples == (straight / "samples.jsonl").read_text()

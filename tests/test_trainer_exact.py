@@ -89,7 +89,10 @@ def test_update_is_independent_of_micro_batch_size(tmp_path, agg, extra):
         s, got, grads, m = results[mbs]
         assert all(torch.equal(start[k], s[k]) for k in start)   # same starting point
         for k in want:
-            torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=f"mbs={mbs} {k}")
+            # Adam divides by sqrt(v) + 1e-8, so an entry whose gradient is near 1e-8 moves by an amount that
+            # rounding in the gradient changes a lot: those entries are held to the gradient check below
+            big = want_grads[k].abs() > 1e-7 if k in want_grads else torch.ones_like(want[k], dtype=torch.bool)
+            torch.testing.assert_close(got[k][big], want[k][big], atol=1e-6, rtol=0, msg=f"mbs={mbs} {k}")
         # Adam's first step is nearly sign(gradient), blind to how the gradient is scaled: check it too
         for k in want_grads:
             scale = float(want_grads[k].abs().max())

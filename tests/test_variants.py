@@ -93,9 +93,9 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
 
 
 def test_mask_truncated_completions_leaves_no_loss(tmp_path):
-    # 3 new tokens: nothing finishes, so every completion is truncated and masked out
-    tr = _trainer(tmp_path, "rollout.max_new_tokens=3", "algorithm.mask_truncated_completions=true",
-                  "reward.functions=[length]")
+    # no stop token counts (ignore_eos): every completion is truncated at 3 tokens and masked out
+    tr = _trainer(tmp_path, "rollout.max_new_tokens=3", "rollout.ignore_eos=true",
+                  "algorithm.mask_truncated_completions=true", "reward.functions=[length]")
     before = copy.deepcopy(tr.model.state_dict())
     m = tr.train_step()
     assert m["completions/clipped_ratio"] == 1.0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0

@@ -96,7 +96,9 @@ def encode(tokenizer, row: dict) -> Example:
         return Example(list(ids), list(loss))
     p = tokenizer.render_prompt(row["prompt"])
     c = tokenizer.render_completion(row["completion"])
-    return Example(p + c, [False] * len(p) + [True] * len(c))
+    # what a tool wrote (<|out|>...<|/out|> in built-in completions) is context, not a target
+    tool = tokenizer.tool_output_mask(c) if hasattr(tokenizer, "tool_output_mask") else [False] * len(c)
+    return Example(p + c, [False] * len(p) + [not t for t in tool])
 
 
 def fit_length(examples: list[Example], max_length: int, on_long: str) -> tuple[list[Example | None], int, int]:

@@ -258,7 +258,7 @@ def _plot_preference(ax, rows) -> None:
 def plot_names(keys: list[str]) -> tuple[str, ...]:
     """The plots of a run: RL runs (a reward) get PLOTS; offline stages (a loss, no reward) get theirs."""
     if "reward" in keys or "loss" not in keys:
-        return PLOTS
+        return PLOTS + (("tools",) if "tools/calls_per_completion" in keys else ())
     return OFFLINE_PLOTS + (("preference",) if "rewards/margins" in keys else ())
 
 
@@ -324,6 +324,9 @@ def _draw_plots(rows, summary, out_dir: Path) -> list[tuple[str, str]]:
                                          ("grad_norm", "grad_norm"), ("lr", "lr"), "C2", right_sci=True),
         "loss": lambda ax: _plot_loss(ax, rows),
         "preference": lambda ax: _plot_preference(ax, rows),
+        "tools": lambda ax: _plot_twin(ax, rows, "tool calls", "tool calls",
+                                       ("tools/calls_per_completion", "calls per completion"),
+                                       ("tools/error_rate", "error rate (per call)"), "C3", right_from_zero=True),
     }
     images = []
     for name in plot_names(keys):

@@ -35,16 +35,21 @@ class HFTokenizer:
         self.pad_id = int(tokenizer.pad_token_id)
         self.stop_ids = tuple(dict.fromkeys((self.eos_id, *extra_stop_ids)))
         self.vocab_size = len(tokenizer)
+        self.tools: list[dict] | None = None   # tool schemas for the chat template (rollout.tools)
 
     def render_prompt(self, prompt) -> list[int]:
         """Token ids the model continues from. A list of {role, content} messages goes through the
         chat template with the generation prompt; a string is tokenized as it is (with BOS if the
-        tokenizer adds one)."""
+        tokenizer adds one). With tools, a string prompt is one user message, since the template is
+        what tells the model its tools."""
+        if self.tools and isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
             if not getattr(self.tok, "chat_template", None):
                 raise ValueError("conversational prompt, but the tokenizer has no chat_template; "
                                  "use plain-text prompts or a tokenizer with a template")
-            text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                                **({"tools": self.tools} if self.tools else {}))
             return self.tok(text, add_special_tokens=False)["input_ids"]
         return self.tok(prompt)["input_ids"]
 

@@ -12,9 +12,17 @@ from pathlib import Path
 
 import torch
 
-# ChatML-style template: enough to exercise conversational prompts end to end.
+# ChatML-style template: enough to exercise conversational prompts end to end. With `tools=` it lists
+# them in a system turn and renders `tool` messages Qwen2.5's way (a user turn of <tool_response>s), so
+# the Hermes-style tool-call path runs without a hub model.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\nTools (call one as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    "</tool_call>):{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user\n{% else %}{{ '\\n' }}{% endif %}"
+    "<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]

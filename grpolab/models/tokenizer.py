@@ -9,7 +9,10 @@ from __future__ import annotations
 import string
 
 PAD, BOS, USER, ASSISTANT, END = "<|pad|>", "<|bos|>", "<|user|>", "<|assistant|>", "<|end|>"
-SPECIAL_TOKENS = (PAD, BOS, USER, ASSISTANT, END)
+# tool use (nanochat style): <|call|>NAME ARGS<|/call|> is sampled; <|out|>RESULT<|/out|> is written by the engine
+CALL, CALL_END, OUT, OUT_END = "<|call|>", "<|/call|>", "<|out|>", "<|/out|>"
+TOOL_TOKENS = (CALL, CALL_END, OUT, OUT_END)
+SPECIAL_TOKENS = (PAD, BOS, USER, ASSISTANT, END, *TOOL_TOKENS)
 _CHARS = "\n" + "".join(c for c in string.printable if 32 <= ord(c) < 127)
 UNK_CHAR = "?"
 
@@ -32,21 +35,51 @@ class CharTokenizer:
         self.assistant_id = self.special[ASSISTANT]
         self.eos_id = self.special[END]
         self.stop_ids = (self.eos_id,)
+        self.call_id, self.call_end_id, self.out_id, self.out_end_id = (self.special[t] for t in TOOL_TOKENS)
         self._id_to_special = {v: k for k, v in self.special.items()}
+        self._tool_ids = {self.special[t] for t in TOOL_TOKENS}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, tool_tokens: bool = True) -> list[int]:
+        """Character ids; the tool markers (<|call|>, <|/call|>, <|out|>, <|/out|>) become their special
+        tokens unless `tool_tokens` is False (a tool's own output is encoded that way, so nothing it
+        prints can pose as a marker)."""
         unk = self.stoi[UNK_CHAR]
-        return [self.stoi.get(c, unk) for c in text]
+        if not tool_tokens or "<|" not in text:
+            return [self.stoi.get(c, unk) for c in text]
+        out: list[int] = []
+        i = 0
+        while i < len(text):
+            mark = next((t for t in TOOL_TOKENS if text.startswith(t, i)), None) if text[i] == "<" else None
+            if mark:
+                out.append(self.special[mark])
+                i += len(mark)
+            else:
+                out.append(self.stoi.get(text[i], unk))
+                i += 1
+        return out
 
     def decode(self, ids, skip_special: bool = True) -> str:
+        """Text of `ids`; special tokens are dropped with skip_special, except the tool markers, which are
+        part of what the model wrote (samples and rewards see calls and results inline)."""
         out = []
         for i in ids:
             i = int(i)
             if i < len(self.chars):
                 out.append(self.chars[i])
-            elif not skip_special:
+            elif not skip_special or i in self._tool_ids:
                 out.append(self._id_to_special[i])
         return "".join(out)
+
+    def tool_output_mask(self, ids: list[int]) -> list[bool]:
+        """True at the tokens a tool wrote (from <|out|> through <|/out|>): context, never trained on."""
+        mask, inside = [], False
+        for i in ids:
+            if i == self.out_id:
+                inside = True
+            mask.append(inside)
+            if i == self.out_end_id:
+                inside = False
+        return mask
 
     def render_prompt(self, prompt) -> list[int]:
         """Chat prompt: <|bos|><|user|>{prompt}<|assistant|>; the model continues from here.
@@ -77,7 +110,7 @@ class CharTokenizer:
             mask.append(False)
             body = self.render_completion(m["content"])
             ids += body
-            mask += [i >= train_from] * len(body)
+            mask += [i >= train_from and not tool for tool in self.tool_output_mask(body)]
         if user:
             turn = [self.user_id, *self.encode("\n".join(user))]
             ids += turn

@@ -24,12 +24,13 @@ class Critic(nn.Module):
         nn.init.zeros_(self.v_head.bias)
 
     def forward(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                completion_mask: torch.Tensor) -> torch.Tensor:
+                completion_mask: torch.Tensor, context_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, C) values, 0 at masked positions, float32. One forward over [left-padded prompt |
-        completion]; the hidden state at position P - 1 + t is the state before completion token t."""
+        completion]; the hidden state at position P - 1 + t is the state before completion token t.
+        context_mask: the completion tokens attended to, tool outputs included (default completion_mask)."""
         C = completion_ids.size(1)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        valid = torch.cat([prompt_mask, completion_mask], dim=1)
+        valid = torch.cat([prompt_mask, completion_mask if context_mask is None else context_mask], dim=1)
         h = self.backbone(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C, hidden=True)
         v = self.v_head(h.to(self.v_head.weight.dtype)).squeeze(-1).float()
         return v * completion_mask

@@ -57,7 +57,7 @@ class PolicyView:
         g = self.gen
         C = g.completion_ids.size(1)
         ids = torch.cat([g.prompt_ids[sl], g.completion_ids[sl]], 1)
-        valid = torch.cat([g.prompt_mask[sl], g.completion_mask[sl]], 1)
+        valid = torch.cat([g.prompt_mask[sl], g.context_mask[sl]], 1)
         was_training = self.model.training
         self.model.eval()
         logits = self.model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C).float()

@@ -36,9 +36,10 @@ class RolloutBatch:
     values: torch.Tensor | None = None    # (B, C) gae: the critic's values at rollout time
 
     def completion_id_lists(self) -> list[list[int]]:
-        """Each completion's sampled token ids, stop token included, no padding (TRL's completion_ids)."""
+        """Each completion's token ids, stop token included, no padding (TRL's completion_ids); with
+        tools, the tools' tokens too, in place."""
         g = self.gen
-        return [ids[m].tolist() for ids, m in zip(g.completion_ids.cpu(), g.completion_mask.cpu())]
+        return [ids[m].tolist() for ids, m in zip(g.completion_ids.cpu(), g.context_mask.cpu())]
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -52,8 +53,8 @@ class RolloutBatch:
         idx = rows.nonzero().squeeze(-1)
         pick = lambda xs: [xs[i] for i in idx.tolist()]  # noqa: E731
         g = self.gen
-        gen = Generation(*(t[idx.to(t.device)] for t in (g.prompt_ids, g.prompt_mask, g.completion_ids,
-                                                         g.completion_mask, g.sampler_logprobs, g.truncated)))
+        gen = Generation(**{k: t[idx.to(t.device)] for k, t in g.tensors().items()},
+                         tool_calls=None if g.tool_calls is None else pick(g.tool_calls))
         return RolloutBatch(gen=gen, group_ids=self.group_ids[idx], prompts=pick(self.prompts),
                             completions=pick(self.completions), columns={k: pick(v) for k, v in self.columns.items()},
                             rewards=None if self.rewards is None else self.rewards[idx],
@@ -80,7 +81,9 @@ def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         completion_ids=torch.cat([pad_to_width(g.completion_ids, C, pad_id, "right") for g in gens]),
         completion_mask=torch.cat([pad_to_width(g.completion_mask, C, False, "right") for g in gens]),
         sampler_logprobs=torch.cat([pad_to_width(g.sampler_logprobs, C, 0.0, "right") for g in gens]),
-        truncated=torch.cat([g.truncated for g in gens]))
+        truncated=torch.cat([g.truncated for g in gens]),
+        tool_mask=torch.cat([pad_to_width(g.tool_mask, C, False, "right") for g in gens]),
+        tool_calls=None if any(g.tool_calls is None for g in gens) else [c for g in gens for c in g.tool_calls])
     group_ids, offset = [], 0
     for b in batches:
         if len(b):

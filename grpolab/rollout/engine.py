@@ -29,12 +29,27 @@ class Generation:
     completion_mask: torch.Tensor   # (B, C) bool, True up to and including the stop token
     sampler_logprobs: torch.Tensor  # (B, C) log-prob of each sampled token (0 where masked)
     truncated: torch.Tensor         # (B,) bool, True when no stop token within max_new_tokens
+    tool_mask: torch.Tensor | None = None  # (B, C) bool, True at tokens tools wrote (context: no loss, no KL)
+    tool_calls: list | None = None  # (B,) with tools: each row's calls, [{name, arguments, output, error}]
+
+    def __post_init__(self) -> None:
+        if self.tool_mask is None:
+            self.tool_mask = torch.zeros_like(self.completion_mask)
+
+    @property
+    def context_mask(self) -> torch.Tensor:
+        """(B, C) bool: every real completion token, the tools' included (what the model attends to)."""
+        return self.completion_mask | self.tool_mask
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}
 
 
 def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,
-             generator: torch.Generator | None = None, keys: torch.Tensor | None = None) -> Generation:
+             generator: torch.Generator | None = None, keys: torch.Tensor | None = None,
+             tools=None) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
@@ -42,14 +57,20 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     Randomness: `keys` (num_prompts * G,) int64 from `keys.completion_keys` make each row's draws
     depend on its key alone (the same completions however the rows are batched); otherwise the
     rows share `generator`'s stream.
+    `tools` (a `tool_decode.ToolUse`): rows may call tools mid-completion (see tool_decode).
     """
     if keys is not None and keys.numel() != len(prompts) * num_generations:
         raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {num_generations} generations")
     with torch.inference_mode():
-        out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
-                      stop_ids, pad_id, generator, keys)
+        if tools is not None:
+            from .tool_decode import decode_with_tools
+            out = decode_with_tools(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
+                                    stop_ids, pad_id, generator, keys, tools)
+        else:
+            out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
+                          stop_ids, pad_id, generator, keys)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
-    return Generation(*(t.clone() for t in dataclasses.astuple(out)))
+    return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
 
 
 def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,

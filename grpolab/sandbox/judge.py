@@ -12,6 +12,8 @@ The program runs in a separate worker process that never sees a test or an expec
 - `stdio` mode (rows with `test_cases`: [{"input", "output"}]): each case runs the program as a
   script with the input on stdin; a case passes when the program exits 0 and its stdout matches
   (trailing whitespace ignored), compared here.
+- `output` mode (the python tool): the program runs once as a script; the report carries what it
+  printed (stdout and stderr).
 
 Reports go to a private copy of the judge's stdout, one JSON line per program; the judge's own
 stdout and stderr are /dev/null, so nothing a test prints can pass for a report.
@@ -206,17 +208,19 @@ class Judge:
         return _report(1, 1, "passed", "")
 
     # ------------------------------------------------------------ stdio mode
-    def run_case(self, program: str, case: dict) -> tuple[bool, str]:
+    def execute(self, program: str, stdin_text: str, *, merge_stderr: bool) -> tuple[int | None, bytes]:
+        """Run the program as a script: (exit code, stdout), the code None when it printed more than
+        max_output bytes (the output then ends there). With merge_stderr, stderr goes to the same pipe."""
         path = os.path.join(self.workdir, "program.py")
         with open(path, "w") as f:
             f.write(program)
         inp = os.path.join(self.workdir, "input.txt")
         with open(inp, "w") as f:
-            f.write(str(case.get("input", "")))
+            f.write(stdin_text)
         stdin = os.open(inp, os.O_RDONLY)
         null = os.open(os.devnull, os.O_RDWR)
         out_r, out_w = os.pipe()
-        self.spawn([self.job["python"], "-I", "-S", path], {0: stdin, 1: out_w, 2: null})
+        self.spawn([self.job["python"], "-I", "-S", path], {0: stdin, 1: out_w, 2: out_w if merge_stderr else null})
         for fd in (stdin, null, out_w):
             os.close(fd)
         cap, out = int(self.job["max_output"]), bytearray()
@@ -230,7 +234,7 @@ class Judge:
                     break
                 out += chunk
                 if len(out) > cap:
-                    return False, f"printed more than {cap} bytes"
+                    return None, bytes(out[:cap])
             while True:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
                 if pid:
@@ -239,7 +243,12 @@ class Judge:
                 self.remaining()
         finally:
             os.close(out_r)
-        code = os.waitstatus_to_exitcode(status)
+        return os.waitstatus_to_exitcode(status), bytes(out)
+
+    def run_case(self, program: str, case: dict) -> tuple[bool, str]:
+        code, out = self.execute(program, str(case.get("input", "")), merge_stderr=False)
+        if code is None:
+            return False, f"printed more than {self.job['max_output']} bytes"
         if code != 0:
             return False, f"exit code {code}"
         if _lines(out.decode("utf-8", "replace")) != _lines(str(case.get("output", ""))):
@@ -265,9 +274,22 @@ class Judge:
             status = "failed"
         return _report(passed, len(cases), status, detail)
 
-    def run(self) -> dict:
+    def run_output(self) -> dict:
+        """`output` mode (the python tool): run the script once; the report's detail is what it printed
+        (stdout and stderr together, at most max_output bytes); passed = it exited 0."""
         try:
-            return self.run_stdio() if self.job["tests"]["mode"] == "stdio" else self.run_check()
+            code, out = self.execute(self.job["program"], "", merge_stderr=True)
+        except Timeout:
+            return _report(0, 1, "timeout", f"no result in the {self.job['timeout']}s budget")
+        text = out.decode("utf-8", "replace")
+        if code is None:
+            return _report(0, 1, "failed", text + f"\n[output cut at {self.job['max_output']} bytes]")
+        return _report(int(code == 0), 1, "passed" if code == 0 else "failed", text)
+
+    def run(self) -> dict:
+        mode = self.job["tests"]["mode"]
+        try:
+            return self.run_stdio() if mode == "stdio" else self.run_output() if mode == "output" else self.run_check()
         finally:
             self.kill_all()
             for fd in (getattr(self, "req", None), getattr(self, "resp", None)):

@@ -37,7 +37,8 @@ class CriticTrainer:
             self.opt, lambda s: min(1.0, (s + 1) / c.warmup_steps) if c.warmup_steps else 1.0)
 
     def _values(self, g, sl: slice) -> torch.Tensor:
-        return self.model(g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl], g.completion_mask[sl])
+        return self.model(g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl], g.completion_mask[sl],
+                          g.context_mask[sl])
 
     @torch.no_grad()
     def values(self, g, slices: list[slice]) -> torch.Tensor:

@@ -35,6 +35,7 @@ from .. import distributed as dist
 from .. import sharding
 from ..config import Config, ConfigError
 from ..eval import evaluate, score_samples
+from ..rollout.tool_decode import build_tool_use, tool_metrics
 from ..rewards import reward_name, reward_names, wants_policy
 from ..rewards.intrinsic import PolicyView
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
@@ -147,6 +148,8 @@ class GRPOTrainer:
         self.reward_names = reward_names(cfg.reward.functions)   # spec -> metric name, unique
         self.logged_metrics: dict[str, list[float]] = {}          # reward functions' log_metric values, this step
         self.epoch_at_step = 0.0
+        # rollout.tools: calls inside rollouts and eval (rollout/tool_decode.py); None without tools
+        self.tools = build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path)
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
 
     def _check_world(self, cfg: Config) -> None:
@@ -182,16 +185,18 @@ class GRPOTrainer:
                 gen = generate(self.model, prompt_ids, num_generations=G,
                                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
-                               pad_id=self.tok.pad_id, keys=keys)
+                               pad_id=self.tok.pad_id, keys=keys, tools=self.tools)
                 if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
                     gg = generate(self.model, prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
-                                  temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id)
-                    greedy = [ids[m].tolist() for ids, m in zip(gg.completion_ids, gg.completion_mask)]
+                                  temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
+                                  tools=self.tools)
+                    greedy = [ids[m].tolist() for ids, m in zip(gg.completion_ids, gg.context_mask)]
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
                                 f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
                                 f"from an earlier checkpoint") from None
-        completions = [self.tok.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.completion_mask)]
+        # the text rewards read: tool calls and their results inline, where the model saw them
+        completions = [self.tok.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.context_mask)]
         keys = [k for k in rows[0] if k != "prompt"]
         return RolloutBatch(
             gen=gen, group_ids=torch.arange(len(rows)).repeat_interleave(G),
@@ -372,7 +377,7 @@ class GRPOTrainer:
     def _logprobs(self, model, g, sl: slice, **kw):
         return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
                                    g.completion_mask[sl], self.cfg.rollout.temperature,
-                                   chunk=self.logprob_chunk, **kw)
+                                   chunk=self.logprob_chunk, context_mask=g.context_mask[sl], **kw)
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
@@ -513,7 +518,8 @@ class GRPOTrainer:
         with sharding.full_weights(self.model):
             res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
                            max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
-                           seed=self.cfg.train.seed, reward=e.reward, row_ids=ids) if ids else {"samples": []}
+                           seed=self.cfg.train.seed, reward=e.reward, row_ids=ids,
+                           tools=self.tools) if ids else {"samples": []}
         samples = res.pop("samples")
         if w.size == 1:
             return res
@@ -521,6 +527,8 @@ class GRPOTrainer:
         k = len(recs[0].get("samples", [])) or 1
         out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
                                [r["answer"] for r in recs], k, e.reward, self.test_rows[:len(recs)])
+        if self.tools is not None:
+            out["tool_calls_per_completion"] = sum(len(r["greedy_tool_calls"]) for r in recs) / len(recs)
         return out
 
     def train_step(self) -> dict:
@@ -569,6 +577,8 @@ class GRPOTrainer:
         metrics.update({k: v for k, v in stats.items() if k.startswith(("dynamic_sampling/", "std_filter/"))})
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = float(glob(batch.gen.truncated.float().cpu()).mean())
+        if self.tools is not None:
+            metrics.update(tool_metrics(batch.gen.tool_calls, list(self.tools.runner.tools), glob))
         metrics["time/generate"] = stats["time/generate"]
         metrics["time/reward"] = stats["time/reward"]
         metrics["time/ref_and_advantages"] = t2 - t1
@@ -643,6 +653,8 @@ class GRPOTrainer:
             records.append({"step": self.step, "prompt": b.prompts[i], "completion": b.completions[i],
                             "reward": float(b.rewards[i]), "rewards": rewards,
                             "advantage": self._row_advantage(b, i)})
+            if b.gen.tool_calls is not None:
+                records[-1]["tool_calls"] = b.gen.tool_calls[i]
             if b.logged:   # what reward functions logged for this sample (log_extra, dict returns)
                 records[-1]["logged"] = {k: v[i] for k, v in b.logged.items()}
         with open(self.run_dir / "samples.jsonl", "a") as f:

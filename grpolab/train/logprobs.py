@@ -25,8 +25,11 @@ def logprob_chunk(setting: int | None, vocab_size: int) -> int:
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
-                        chunk: int = 0):
+                        chunk: int = 0, context_mask: torch.Tensor | None = None):
     """log softmax(logits / T) of each completion token, (B, C); 0 at masked positions.
+
+    context_mask (B, C): the completion tokens the model attends to, when more than completion_mask's
+    (tool outputs: read as context, scored 0 like padding); default completion_mask.
 
     One forward over [left-padded prompt | completion]; the logits at position j predict
     token j+1, so completion token t is scored by the logits at P - 1 + t. With
@@ -43,14 +46,15 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     # so a micro-batch of short sequences costs what its own lengths cost. Positions come from the
     # mask (HF) or are relative (RoPE), so the result does not change.
     C_full = completion_ids.size(1)
+    context_mask = completion_mask if context_mask is None else context_mask
     real_p = prompt_mask.any(0).nonzero()
-    real_c = completion_mask.any(0).nonzero()
+    real_c = context_mask.any(0).nonzero()
     first = int(real_p[0]) if len(real_p) else prompt_ids.size(1) - 1
     last = int(real_c[-1]) + 1 if len(real_c) else 1
     prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
     completion_ids, completion_mask = completion_ids[:, :last], completion_mask[:, :last]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    valid = torch.cat([prompt_mask, completion_mask], dim=1)
+    valid = torch.cat([prompt_mask, context_mask[:, :last]], dim=1)
     C = completion_ids.size(1)
     want_grad = torch.is_grad_enabled()
     if chunk > 0 and getattr(model, "has_plain_head", True) and hasattr(model, "head"):

@@ -13,6 +13,7 @@ import torch
 from ..data.loading import DataError
 from ..data.supervised import Example, collate, encode, fit_length, pack
 from ..eval import evaluate
+from ..rollout.tool_decode import build_tool_use
 from .logprobs import logprob_chunk, token_logprobs
 from .loop import OfflineTrainer
 from .schedule import lr_factor
@@ -117,7 +118,8 @@ def task_eval(cfg, model, tokenizer, rows: list[dict]) -> dict:
     """The task's held-out metrics (greedy accuracy, pass@k, maj@k) as eval/... keys."""
     e = cfg.eval
     res = evaluate(model, tokenizer, rows, k=e.k, temperature=e.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-                   batch_size=e.batch_size, seed=cfg.train.seed, reward=e.reward)
+                   batch_size=e.batch_size, seed=cfg.train.seed, reward=e.reward,
+                   tools=build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path))
     res.pop("samples")
     return {f"eval/{k}": v for k, v in res.items()}
 

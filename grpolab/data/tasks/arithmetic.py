@@ -90,6 +90,19 @@ def bare_answer(row: dict, key: str = "answer") -> dict:
     return {**row, key: row[key].rsplit("\n", 1)[-1]}
 
 
+def with_calculator(row: dict, fraction: float, seed: int = 0, key: str = "answer") -> dict:
+    """The row with a seeded `fraction` of its worked steps done by the calculator tool: 'a+b=c' becomes
+    '<|call|>calculator a+b<|/call|><|out|>c<|/out|>' (the built-in model's tool-call format; the
+    <|out|>...<|/out|> part is what the engine writes at rollout time, and SFT does not train on it)."""
+    rng = random.Random(f"calculator/{seed}/{row['prompt']}")
+    lines = row[key].split("\n")
+    for i, line in enumerate(lines[:-1]):
+        expr, _, value = line.partition("=")
+        if value and rng.random() < fraction:
+            lines[i] = f"<|call|>calculator {expr}<|/call|><|out|>{value}<|/out|>"
+    return {**row, key: "\n".join(lines)}
+
+
 def warm_start_mixer(bare_fraction: float, from_step: int = 0, seed: int = 0, key: str = "answer"):
     """SFT batch hook: from step `from_step` on, a seeded `bare_fraction` of answers (column `key`) are
     '#### N' alone.

@@ -52,7 +52,7 @@ def _decode(tokenizer, gen, calls: list | None = None) -> list[str]:
     """Completion texts (tool calls and results inline); with `calls`, each row's tool calls are appended to it."""
     if calls is not None and gen.tool_calls is not None:
         calls += gen.tool_calls
-    return [tokenizer.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.context_mask)]
+    return [tokenizer.decode(ids) for ids in gen.id_lists()]
 
 
 def _chunks(seq: list, size: int):

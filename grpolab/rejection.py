@@ -78,10 +78,11 @@ def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console |
         gen = generate(model, [tok.render_prompt(x["prompt"]) for x in chunk], num_generations=k,
                        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                        stop_ids=tok.stop_ids, pad_id=tok.pad_id, keys=keys, tools=tools)
-        texts = [tok.decode(c[m].tolist()) for c, m in zip(gen.completion_ids, gen.context_mask)]
+        id_lists = gen.id_lists()
+        texts = [tok.decode(ids) for ids in id_lists]
         columns = {c: [x[c] for x in chunk for _ in range(k)] for c in chunk[0] if c != "prompt"}
         total, cols = score(w.functions, w.weights, [x["prompt"] for x in chunk for _ in range(k)], texts, columns,
-                            completion_ids=[c[m].tolist() for c, m in zip(gen.completion_ids, gen.context_mask)])
+                            completion_ids=id_lists)
         for i, row in enumerate(chunk):
             comp = texts[i * k:(i + 1) * k]
             rew = [float(v) for v in total[i * k:(i + 1) * k]]

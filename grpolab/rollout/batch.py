@@ -38,8 +38,7 @@ class RolloutBatch:
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids, stop token included, no padding (TRL's completion_ids); with
         tools, the tools' tokens too, in place."""
-        g = self.gen
-        return [ids[m].tolist() for ids, m in zip(g.completion_ids.cpu(), g.context_mask.cpu())]
+        return self.gen.id_lists()
 
     def __len__(self) -> int:
         return len(self.completions)

@@ -41,6 +41,11 @@ class Generation:
         """(B, C) bool: every real completion token, the tools' included (what the model attends to)."""
         return self.completion_mask | self.tool_mask
 
+    def id_lists(self) -> list[list[int]]:
+        """Each completion's token ids, stop token included, no padding; with tools, the tools' tokens
+        too, in place (what rewards and decoded texts see)."""
+        return [ids[m].tolist() for ids, m in zip(self.completion_ids.cpu(), self.context_mask.cpu())]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}
 

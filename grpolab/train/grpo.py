@@ -190,13 +190,13 @@ class GRPOTrainer:
                     gg = generate(self.model, prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
                                   temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
                                   tools=self.tools)
-                    greedy = [ids[m].tolist() for ids, m in zip(gg.completion_ids, gg.context_mask)]
+                    greedy = gg.id_lists()
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
                                 f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
                                 f"from an earlier checkpoint") from None
         # the text rewards read: tool calls and their results inline, where the model saw them
-        completions = [self.tok.decode(ids[m].tolist()) for ids, m in zip(gen.completion_ids, gen.context_mask)]
+        completions = [self.tok.decode(ids) for ids in gen.id_lists()]
         keys = [k for k in rows[0] if k != "prompt"]
         return RolloutBatch(
             gen=gen, group_ids=torch.arange(len(rows)).repeat_interleave(G),

@@ -1,5 +1,5 @@
 """Command line: grpolab demo | train | sft | dpo | distill | sample | pipeline | eval | export | report |
-tiny-model. Thin: parse, build the config, call the job."""
+serve | generate | tiny-model. Thin: parse, build the config, call the job."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="jsonl file to write")
     sp.add_argument("--k", type=int, default=None, help="completions per prompt (default sample.k)")
     sp.add_argument("--pairs", action="store_true", help="write DPO pairs: each prompt's best vs worst by reward")
-    sp.add_argument("--config", default=None, help="YAML config for data/reward/rollout/sample settings")
+    sp.add_argument("--config", default=None, help="YAML config for data/reward/rollout/sample settings "
+                    "(default: the run's config.yaml when CHECKPOINT is a run's checkpoints/step_N)")
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
     pl = sub.add_parser("pipeline", help="run a config's stages (sft, grpo, sample, dpo, distill) one after another")
@@ -53,9 +54,42 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="evaluate a checkpoint or Hugging Face model on the held-out split")
     e.add_argument("checkpoint", help="checkpoint directory (…/checkpoints/step_N) or Hugging Face model dir")
-    e.add_argument("--config", default=None, help="YAML config for data/eval settings")
+    e.add_argument("--config", default=None, help="YAML config for data/eval settings (default: the run's "
+                   "config.yaml when CHECKPOINT is a run's checkpoints/step_N)")
     e.add_argument("--out", default=None, help="where to write eval.json (default: the checkpoint dir)")
     e.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    v = sub.add_parser("serve", help="serve a checkpoint or Hugging Face model with an OpenAI-compatible API "
+                                     "(needs grpolab[serve])")
+    v.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together (default 64); "
+                   "more requests wait their turn")
+    v.add_argument("--name", default=None, help="model name clients send (default: MODEL as given)")
+    v.add_argument("--max-model-len", type=int, default=None, help="context length: prompt plus completion "
+                   "(default: the model's own)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    v.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (info: one line per request)")
+
+    g = sub.add_parser("generate", help="offline batch generation for a jsonl of prompts (resumable)")
+    g.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")
+    g.add_argument("--in", dest="inp", required=True, help="jsonl: one object per line with a 'prompt' "
+                   "(string or chat messages) and any other columns")
+    g.add_argument("--out", required=True, help="jsonl to write (rows already there are skipped)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together")
+    g.add_argument("--score", action="store_true", help="score completions with the config's reward.functions")
+    g.add_argument("--config", default=None, help="YAML config for --score (default: the run's config.yaml "
+                   "when MODEL is a run's checkpoint)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length: prompt plus completion "
+                   "(default: the model's own)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("overrides", nargs="*", metavar="key=value", help="sampling settings (max_tokens, temperature, "
+                   "top_p, top_k, stop, seed) and dotted config overrides for --score")
 
     r = sub.add_parser("report", help="write RUN_DIR/report.html: plots of metrics.jsonl and sampled completions")
     r.add_argument("run_dir", help="a run directory (train.output_dir or the demo's --out)")
@@ -187,12 +221,30 @@ def main(argv: list[str] | None = None) -> int:
             from .rejection import run_sample
             overrides = list(args.overrides) + ([f"sample.k={args.k}"] if args.k is not None else []) + \
                 (["sample.pairs=true"] if args.pairs else [])
-            run_sample(args.checkpoint, load_config(args.config, overrides), args.out)
+            run_sample(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), overrides), args.out)
         elif args.command == "pipeline":
             from .stages import run_pipeline
             run_pipeline(args.config, list(args.overrides))
         elif args.command == "eval":
-            pipeline.run_eval(args.checkpoint, load_config(args.config, args.overrides), out=args.out)
+            pipeline.run_eval(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), args.overrides),
+                              out=args.out)
+        elif args.command == "serve":
+            from .serve.server import serve
+            if args.overrides:
+                parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
+            serve(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
+                  max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level)
+        elif args.command == "generate":
+            from .serve.generate import run_generate, sampling_settings
+            if args.n < 1 or args.max_batch < 1:
+                parser.error("--n and --max-batch must be >= 1")
+            settings = sampling_settings([o for o in args.overrides if "." not in o.split("=", 1)[0]])
+            dotted = [o for o in args.overrides if "." in o.split("=", 1)[0]]
+            if dotted and not args.score:
+                parser.error(f"{dotted[0]}: config overrides only matter with --score")
+            score_cfg = load_config(_run_config(args.model, args.config), dotted) if args.score else None
+            run_generate(args.model, args.inp, args.out, n=args.n, settings=settings, max_batch=args.max_batch,
+                         score_cfg=score_cfg, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
         elif args.command == "report":
             from .logging.report import write_report
             print(write_report(args.run_dir))
@@ -229,6 +281,20 @@ def main(argv: list[str] | None = None) -> int:
         why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])[:160]   # without gloo's source path
         _error(f"stopped: another rank left the run ({why})", name_rank=True)
         return LOST_A_RANK
+
+
+def _run_config(checkpoint: str, config: str | None) -> str | None:
+    """The config for a job on a checkpoint: --config when given, else the config.yaml of the run the
+    checkpoint belongs to (RUN_DIR/checkpoints/step_N), else None (the defaults)."""
+    from pathlib import Path
+    if config is not None:
+        return config
+    p = Path(checkpoint)
+    run_cfg = p.parent.parent / "config.yaml"
+    if p.parent.name == "checkpoints" and run_cfg.is_file():
+        print(f"grpolab: using {run_cfg} (the run's config; --config to use another)", file=sys.stderr)
+        return str(run_cfg)
+    return None
 
 
 def _config_problem(args, nproc: int) -> str | None:

@@ -81,6 +81,28 @@ def test_readme_documents_every_config_key():
         assert f"`{key[1:]}`" in readme, f"{key[1:]} missing from README"
 
 
+def test_readme_commands_and_files_stay_inside_the_repository():
+    """Every CLI command is documented, and the README points at no file outside the repository."""
+    import re
+    from conftest import ROOT
+    from grpolab.cli import _parser
+    readme = (ROOT / "README.md").read_text()
+    commands = _parser()._subparsers._group_actions[0].choices
+    assert {"serve", "generate", "eval", "export"} <= set(commands)
+    for name in commands:
+        assert f"`grpolab {name}" in readme, f"grpolab {name} missing from README"
+    outside = re.findall(r"(?<![\w.])\.\./[\w./-]+|/work/[\w./-]+|/home/[\w./-]+", readme)
+    assert outside == [], outside
+
+
+def test_pyproject_licence_is_an_spdx_string_with_its_file():
+    import tomllib
+    from conftest import ROOT
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+
+
 def test_example_configs_load_and_validate():
     from pathlib import Path
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

@@ -111,6 +111,18 @@ def test_train_then_eval_through_the_cli(tiny_dir, tmp_path):
     assert len(samples) == 3 and all(len(s["samples"]) == 2 for s in samples)
     assert "Answer after ####." in samples[0]["prompt"]
 
+    # without the data flags, eval uses the run's config.yaml (its data, prompt suffix, eval settings)
+    r = run_cli("eval", str(ckpt), "--out", str(tmp_path / "eval2"))
+    assert r.returncode == 0, r.stderr
+    assert "config.yaml (the run's config" in r.stderr
+    samples = [json.loads(line) for line in (tmp_path / "eval2" / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(len(s["samples"]) == 2 for s in samples)   # the run's eval.num_problems, k
+    assert all(s["prompt"].endswith("Answer after ####.") for s in samples)
+
+    # the checkpoint is served as it is (the lean decode path), answering as the engine does
+    from test_serve import serve_and_compare
+    serve_and_compare(ckpt, [s["prompt"] for s in samples[:2]])
+
 
 def test_trainer_logprobs_equal_a_plain_forward_per_row(policy):
     """Padded batch log-probs == log_softmax of a plain unpadded `model(input_ids).logits`, gathered."""

@@ -49,6 +49,8 @@ class KVCache:
 
     `kv[layer]` is (B, 2H, T_max, D): keys in heads [0, H), values in [H, 2H), so one copy
     writes both. `key_valid` (B, T_max) marks which cached positions are real tokens.
+    `count` (B,) set (the server's continuous batching, serve/frame.py): each row's positions are
+    its count of real tokens so far, not the cache column, so a row may move to other columns.
     """
 
     def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, head_dim: int,
@@ -57,6 +59,7 @@ class KVCache:
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.pos = 0
         self.max_len = max_len
+        self.count: torch.Tensor | None = None
 
     def repeat_interleave(self, n: int) -> "KVCache":
         """Copy each row n times (prompt prefilled once, then shared by its n samples)."""
@@ -64,6 +67,7 @@ class KVCache:
         out.kv = self.kv.repeat_interleave(n, dim=1)
         out.key_valid = self.key_valid.repeat_interleave(n, dim=0)
         out.pos, out.max_len = self.pos, self.max_len
+        out.count = None if self.count is None else self.count.repeat_interleave(n)
         return out
 
 
@@ -147,7 +151,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         end = start + T
-        if end > self.config.block_size:
+        per_row = cache is not None and cache.count is not None
+        if end > self.config.block_size and not per_row:
             raise ValueError(f"sequence of {end} tokens exceeds model.block_size={self.config.block_size}")
         decode = cache is not None and T == 1 and key_valid is None
         if key_valid is None:
@@ -160,7 +165,15 @@ class GPT(nn.Module):
         mask = cache_mask(keys, start, end, decode)
         if segments is not None:
             mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
-        cos, sin = self.cos[:, start:end], self.sin[:, start:end]
+        if per_row:   # positions from each row's real-token count; (B, 3H, T, D) tables
+            pos = cache.count[:, None] + key_valid.long().cumsum(-1) - 1
+            if int(pos.max()) >= self.config.block_size:
+                raise ValueError(f"a row reaches position {int(pos.max())}, beyond model.block_size={self.config.block_size}")
+            pos = pos.clamp(min=0)
+            cache.count = cache.count + key_valid.sum(-1)
+            cos, sin = self.cos[:, pos].transpose(0, 1), self.sin[:, pos].transpose(0, 1)
+        else:
+            cos, sin = self.cos[:, start:end], self.sin[:, start:end]
         x = self.wte(idx)
         # activation checkpointing (model.gradient_checkpointing): keep only each block's input for the
         # backward and recompute the block there

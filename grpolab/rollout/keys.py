@@ -42,7 +42,11 @@ def completion_keys(seed: int, draws: torch.Tensor, samples: torch.Tensor) -> to
     return mix32(h ^ (samples & _M32))
 
 
-def token_uniforms(keys: torch.Tensor, t: int) -> torch.Tensor:
-    """(B, 1) float64 uniforms in [0, 1) for token position t of each keyed completion."""
-    h = mix32(keys ^ int(mix32(torch.tensor([t + 0x9E3779B9 & _M32]))[0]))
+def token_uniforms(keys: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+    """(B, 1) float64 uniforms in [0, 1) for token position t of each keyed completion (`t` (B,):
+    each row its own position, as when rows of different ages decode together)."""
+    if isinstance(t, torch.Tensor):
+        h = mix32(keys ^ mix32((t.to(keys.device) + 0x9E3779B9) & _M32))
+    else:
+        h = mix32(keys ^ int(mix32(torch.tensor([t + 0x9E3779B9 & _M32]))[0]))
     return (h.to(torch.float64) / 2.0 ** 32)[:, None]

@@ -1,0 +1,366 @@
+"""OpenAI-compatible HTTP API over the batcher (FastAPI): /v1/models, /v1/completions,
+/v1/chat/completions (streamed as server-sent events when asked), /health.
+
+Requests are validated here and turned into `Job`s; the batcher decodes every request's rows
+together in its own thread and reports each new token back to the request's event loop. Errors
+use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with status 400 for a bad
+request (so OpenAI clients raise BadRequestError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .batcher import Batcher, Choice, Job, SamplingParams, held_back
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+class _Sampling(BaseModel):
+    """Settings both endpoints take (unknown fields are accepted and ignored, as vLLM does)."""
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                        # vLLM's extension (openai client: extra_body); 0 or -1: off
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None    # {"include_usage": true}: a last chunk with usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def _error_body(message: str, param: str | None = None, code: str | None = None,
+                kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Server:
+    """The app's state: the batcher (and its thread), the tokenizer, the served model's name."""
+
+    def __init__(self, batcher: Batcher, tok, name: str, context: int) -> None:
+        self.batcher, self.tok, self.name, self.context = batcher, tok, name, context
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.batcher.run, name="grpolab-batcher", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.batcher.stop()
+        if self.thread is not None:
+            self.thread.join()
+
+    # ---- request -> jobs ---------------------------------------------------------------------
+    def _check_model(self, name: str) -> None:
+        if name != self.name:
+            raise APIError(f"model {name!r} is not served here; this server serves {self.name!r} (GET /v1/models)",
+                           "model", code="model_not_found")
+
+    def _params(self, r: _Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if prompt_len >= self.context:
+            raise APIError(f"the prompt is {prompt_len} tokens, but the model's context is {self.context} tokens "
+                           f"(prompt plus completion); shorten the prompt", "prompt" if hasattr(r, "prompt") else "messages")
+        room = self.context - prompt_len
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens > room:
+            raise APIError(f"the model's context is {self.context} tokens; the prompt takes {prompt_len}, which "
+                           f"leaves {room} for the completion, but max_tokens is {max_tokens}", "max_tokens")
+        if r.temperature < 0:
+            raise APIError(f"temperature must be >= 0 (0 = greedy), got {r.temperature}", "temperature")
+        if not 0 < r.top_p <= 1:
+            raise APIError(f"top_p must be in (0, 1], got {r.top_p}", "top_p")
+        if r.top_k < -1:
+            raise APIError(f"top_k must be >= 0 (0 or -1: no top-k), got {r.top_k}", "top_k")
+        if not 1 <= r.n <= self.batcher.max_batch:
+            raise APIError(f"n must be between 1 and the server's max batch ({self.batcher.max_batch}), got {r.n}", "n")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+        stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+        if any(not s for s in stop):
+            raise APIError("stop strings must not be empty", "stop")
+        return SamplingParams(max_tokens=max_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=max(r.top_k, 0), n=r.n, stop=tuple(stop), seed=r.seed, logprobs=logprobs)
+
+    def completion_prompts(self, r: CompletionRequest) -> list[list[int]]:
+        p = r.prompt
+        if isinstance(p, str):
+            prompts = [raw_ids(self.tok, p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [raw_ids(self.tok, x) for x in p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            raise APIError("prompt must be a string, a list of strings, a list of token ids, or a list of them",
+                           "prompt")
+        vocab = self.tok.vocab_size
+        for ids in prompts:
+            if not ids:
+                raise APIError("the prompt is empty", "prompt")
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return prompts
+
+    def chat_prompt(self, r: ChatRequest) -> list[int]:
+        if r.tools:
+            raise APIError("tool definitions are not supported by this server", "tools")
+        messages = []
+        for i, m in enumerate(r.messages):
+            role, content = m.get("role"), m.get("content")
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                raise APIError(f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                               f"messages[{i}].role")
+            if isinstance(content, list):   # content parts: the text ones, joined
+                if any(not isinstance(x, dict) or x.get("type") != "text" for x in content):
+                    raise APIError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                content = "".join(str(x.get("text", "")) for x in content)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise APIError(f"messages[{i}].content must be a string or a list of text parts",
+                               f"messages[{i}].content")
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
+        try:
+            return self.tok.render_prompt(messages)
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
+
+    def jobs(self, prompts: list[list[int]], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+             events: asyncio.Queue, stream: bool) -> list[Job]:
+        """Submit one job per prompt; updates (each token when streaming, else each finished choice)
+        arrive on `events` as (job number, choice index, text so far, done, tokens so far): a snapshot
+        taken in the batcher's thread, so the text and the token count belong together."""
+        jobs = []
+        for k, ids in enumerate(prompts):
+            def notify(job, choice, k=k):
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait,
+                                              (k, choice.index, choice.text, choice.done, len(choice.tokens)))
+                except RuntimeError:   # the request's event loop is gone (shutting down): nobody to tell
+                    pass
+            jobs.append(Job(ids, params, notify, draw=k, live=stream))
+        for job in jobs:
+            self.batcher.submit(job)
+        return jobs
+
+
+def create_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        server.start()
+        yield
+        server.stop()   # after uvicorn has let in-flight requests finish
+
+    app = FastAPI(title="grpolab", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        kind = "server_error" if e.status >= 500 else "invalid_request_error"
+        return JSONResponse(_error_body(e.message, e.param, e.code, kind), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg, param = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+        else:
+            param = ".".join(loc) or None
+            msg = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
+        return JSONResponse(_error_body(msg, param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(_error_body(str(e.detail), kind=kind), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        b = server.batcher
+        return {"status": "ok", "running": b.running, "waiting": b.waiting, "steps": b.steps}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "grpolab", "max_model_len": server.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(r: CompletionRequest, request: Request):
+        server._check_model(r.model)
+        if r.echo:
+            raise APIError("echo is not supported", "echo")
+        prompts = server.completion_prompts(r)
+        params = server._params(r, max(len(p) for p in prompts), r.max_tokens, r.logprobs)
+        return await _respond(server, r, prompts, params, chat=False, request=request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(r: ChatRequest, request: Request):
+        server._check_model(r.model)
+        prompt = server.chat_prompt(r)
+        top = (r.top_logprobs or 0) if r.logprobs else None
+        params = server._params(r, len(prompt), r.max_completion_tokens or r.max_tokens, top)
+        return await _respond(server, r, [prompt], params, chat=True, request=request)
+
+    return app
+
+
+async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                   request: Request):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    jobs = server.jobs(prompts, params, loop, events, r.stream)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": server.name}
+    n = params.n
+    # every (job, choice) still to report done; a failed batch step ends the wait too
+    pending = {(k, j) for k in range(len(jobs)) for j in range(n)}
+
+    def failed() -> str | None:
+        return next((j.error for j in jobs if j.error), None)
+
+    def usage() -> dict:
+        completion = sum(len(c.tokens) for j in jobs for c in j.choices)
+        prompt = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    if not r.stream:
+        try:
+            while pending and not failed():
+                try:
+                    k, j, _, done, _ = await asyncio.wait_for(events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():   # nobody to answer: free the rows
+                        break
+                    continue
+                if done:
+                    pending.discard((k, j))
+        finally:
+            for j in jobs:
+                j.cancel()   # a no-op when done
+        if failed():
+            raise APIError(f"generation failed: {failed()}", status=500, code="server_error")
+        choices = []
+        for k, job in enumerate(jobs):
+            for c in job.choices:
+                choice = {"index": k * n + c.index, "finish_reason": c.finish_reason,
+                          "logprobs": _logprobs(server.tok, c, chat) if params.logprobs is not None else None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choices.append(choice)
+        return {**head, "choices": choices, "usage": usage()}
+
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool((r.stream_options or {}).get("include_usage"))
+
+    def chunk(index: int, text: str | None, finish: str | None, logprobs=None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return f"data: {json.dumps({**head, 'choices': [body]})}\n\n"
+
+    async def stream():
+        sent: dict[tuple[int, int], int] = {}
+        lp_sent: dict[tuple[int, int], int] = {}
+        try:
+            if chat:
+                for j in range(n):
+                    yield chunk(j, None, None, role=True)
+            while pending and not failed():
+                k, j, text, done, ntok = await events.get()
+                if (k, j) not in pending:
+                    continue
+                if done:
+                    pending.discard((k, j))
+                c = jobs[k].choices[j]
+                start = sent.get((k, j), 0)
+                end = len(text) if done else len(text) - held_back(text, params.stop)
+                if end > start or done:
+                    lp = None
+                    if params.logprobs is not None:   # the tokens since the last chunk
+                        t0, t1 = lp_sent.get((k, j), 0), min(len(c.logprobs), ntok)
+                        lp, lp_sent[(k, j)] = _logprobs(server.tok, c, chat, t0, t1), t1
+                    sent[(k, j)] = max(start, end)
+                    yield chunk(k * n + j, text[start:end] if end > start else None,
+                                c.finish_reason if done else None, lp)
+            if failed():
+                yield f"data: {json.dumps(_error_body(f'generation failed: {failed()}', kind='server_error'))}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage()})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:   # also when the client disconnects mid-stream: its rows leave the batch
+            for job in jobs:
+                job.cancel()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def raw_ids(tok, text: str) -> list[int]:
+    """A completions prompt as it is: an HF tokenizer's ids (its BOS included, special-token text
+    parsed); for the built-in tokenizer, characters with special-token text (e.g. <|bos|>) parsed."""
+    if hasattr(tok, "tok"):
+        return tok.tok(text)["input_ids"]
+    parts = re.split("(" + "|".join(re.escape(t) for t in tok.special) + ")", text)
+    return [i for part in parts if part for i in ([tok.special[part]] if part in tok.special else tok.encode(part))]
+
+
+def _logprobs(tok, c: Choice, chat: bool, start: int = 0, end: int | None = None):
+    """A choice's token log-probs from `start` on, in the completions API's (legacy) or chat's shape."""
+    end = len(c.logprobs) if end is None else end
+    ids, lps, tops = c.tokens[start:end], c.logprobs[start:end], c.top[start:end]
+    piece = [tok.decode([t], skip_special=False) for t in ids]
+    if chat:
+        return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
+                             "top_logprobs": [{"token": (s := tok.decode([t], skip_special=False)), "logprob": v,
+                                               "bytes": list(s.encode())} for t, v in top]}
+                            for p, lp, top in zip(piece, lps, tops)]}
+    # where each token's text starts in the completion's text: the length of the text decoded before it
+    # (decoding token by token would drop a SentencePiece token's leading space)
+    offsets = [len(tok.decode(c.tokens[:i])) for i in range(start, end)]
+    return {"tokens": piece, "token_logprobs": lps, "text_offset": offsets,
+            "top_logprobs": [{tok.decode([t], skip_special=False): v for t, v in top} for top in tops]}

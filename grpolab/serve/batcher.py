@@ -1,0 +1,315 @@
+"""Continuous batching: every request's rows decode together, one token per forward pass.
+
+A request (`Job`) is one prompt and its n choices. Between two steps the batcher lets finished
+and cancelled rows leave and admits waiting jobs while the batch has room (`max_batch` rows):
+the new prompts are prefilled together, copied to their n rows and joined to the batch (see
+frame.py), so a request never waits for another to finish. Each step samples one token per row
+with that row's own settings and randomness, then runs one forward pass over the rows still going.
+
+Randomness is keyed per choice (rollout/keys.py): a choice's t-th token uses a uniform hashed
+from (its key, t), so a seeded request gets the same text whatever else is in the batch.
+
+The batcher runs in one thread (`run`); `submit` and `Job.cancel` may be called from any other.
+`on_update(job, choice)` is called from the batcher's thread after every token of a choice of a
+`live` job (streamed), else when a choice finishes.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..rollout.keys import completion_keys, token_uniforms
+from ..rollout.sampling import sample_next
+from ..utils.padding import pad_sequences
+from . import frame
+
+# a frame is rebuilt tighter once this many leading columns are padding for every row
+SLACK = 32
+# a frame grows by at most this many columns at a time (not a whole context's worth per row up front)
+GROW = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None   # with log-probs: how many top alternatives per token (0: the chosen only)
+
+    @property
+    def group(self) -> tuple:
+        """Rows that share these sample together in one call."""
+        return (self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class Choice:
+    index: int
+    key: int
+    tokens: list[int] = field(default_factory=list)      # sampled ids, a final stop token included
+    logprobs: list[float] = field(default_factory=list)  # of each token, under the model (T = 1)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None                     # "stop" | "length"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Job:
+    """One prompt's request: `n` choices, sampled with `params`."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, on_update: Callable | None = None,
+                 draw: int = 0, live: bool = False) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.on_update = on_update
+        self.live = live   # text after every token (streaming); else only once a choice ends
+        if params.seed is not None:   # choice j of a seeded job: key of (seed, draw, j)
+            keys = completion_keys(params.seed, torch.full((params.n,), draw, dtype=torch.long),
+                                   torch.arange(params.n)).tolist()
+        else:
+            keys = [secrets.randbits(32) for _ in range(params.n)]
+        self.choices = [Choice(index=j, key=k) for j, k in enumerate(keys)]
+        self.cancelled = False
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.error is not None or all(c.done for c in self.choices)
+
+    def cancel(self) -> None:
+        """Stop sampling this job's choices (its rows leave at the next step)."""
+        self.cancelled = True
+
+
+class Batcher:
+    def __init__(self, model, tok, *, max_batch: int = 64, context: int, decoder=None) -> None:
+        self.model, self.tok = model, tok
+        self.max_batch, self.context = max_batch, context
+        self.decoder = decoder
+        self.stop_ids = set(tok.stop_ids)
+        self.device = next(model.parameters()).device
+        self.pending: queue.Queue[Job] = queue.Queue()
+        self._head: Job | None = None   # a job taken from the queue that did not fit yet
+        self.rows: list[tuple[Job, Choice]] = []
+        self.cache = None
+        self.logits: torch.Tensor | None = None
+        self.steps = 0
+        self._admitting: list[Job] = []   # taken from the queue, not yet in the batch
+        self._stop = threading.Event()
+
+    # ---- the thread's side -------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self.pending.put(job)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return self.pending.qsize() + (self._head is not None)
+
+    def idle(self) -> bool:
+        return not self.rows and self._head is None and self.pending.empty()
+
+    def run(self) -> None:
+        """Decode until `stop()`; then finish what is in flight (a server drains before it exits)."""
+        while not (self._stop.is_set() and self.idle()):
+            if self.idle():
+                try:
+                    self._head = self.pending.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            try:
+                self.step()
+            except Exception as e:   # one bad step fails the requests in it, not the server
+                traceback.print_exc()
+                self._fail(f"{type(e).__name__}: {e}")
+
+    def _fail(self, message: str) -> None:
+        """Fail every job in the batch or being admitted (their requests get the error); start afresh."""
+        jobs = list({id(job): job for job, _ in self.rows}.values()) + self._admitting
+        self.rows, self.cache, self.logits, self._admitting = [], None, None, []
+        for job in jobs:
+            job.error = message
+            if job.on_update is not None:
+                job.on_update(job, job.choices[0])
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit what fits, sample a token for every row, forward the rows still going."""
+        if self._head is not None or not self.pending.empty():   # make room: drop every finished row
+            self._keep([i for i, (job, c) in enumerate(self.rows) if not (job.done or c.done)])
+        else:
+            self._keep([i for i, (job, _) in enumerate(self.rows) if not job.cancelled])
+        self._admit()
+        if not self.rows:
+            return
+        tokens = self._sample()
+        self.steps += 1
+        going = []
+        for i, ((job, choice), t) in enumerate(zip(self.rows, tokens.tolist())):
+            if not choice.done:
+                self._record(job, choice, t)
+            if not choice.done:
+                going.append(i)
+        # Dropping rows copies the whole cache, so finished rows stay (decoding tokens nobody reads) until
+        # a quarter of the batch has finished, or one of them would run past the context.
+        dead = len(self.rows) - len(going)
+        if not going or dead * 4 >= len(self.rows) or (dead and int(self.cache.count.max()) >= self.context - 1):
+            self._keep(going)
+        if self.rows:
+            compacted = len(self.rows) < tokens.numel()
+            cols = frame.width(self.cache)
+            if cols is not None and frame.write_pos(self.cache) >= cols:   # full: grow the frame
+                live = max(self._remaining(j, c) for j, c in self.rows if not c.done)
+                self.cache = frame.place(self.cache, cols, cols + min(live, GROW))
+            self.logits = self._forward((tokens[going] if compacted else tokens)[:, None])
+
+    def _forward(self, ids: torch.Tensor, key_valid: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        return self.model(ids, key_valid=key_valid, cache=cache if cache is not None else self.cache,
+                          logits_to_keep=1)[:, -1].float()
+
+    def _keep(self, idx: list[int]) -> None:
+        if len(idx) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in idx]
+        if not self.rows:
+            self.cache, self.logits = None, None
+            return
+        rows = torch.tensor(idx, device=self.device)
+        self.cache, self.logits = frame.take(self.cache, rows), self.logits[rows]
+
+    def _remaining(self, job: Job, choice: Choice) -> int:
+        return job.params.max_tokens - len(choice.tokens)
+
+    def _admit(self) -> None:
+        new: list[Job] = []
+        free = self.max_batch - len(self.rows)
+        while True:
+            job = self._head
+            if job is None:
+                try:
+                    job = self.pending.get_nowait()
+                except queue.Empty:
+                    break
+            if job.done:   # cancelled while waiting
+                self._head = None
+                continue
+            if job.params.n > free and (self.rows or new):
+                self._head = job   # waits for rows to leave (first in, first out)
+                break
+            self._head = None
+            new.append(job)
+            free -= job.params.n
+        if not new:
+            return
+        self._admitting = new
+        width = max(len(j.prompt_ids) for j in new)
+        rows = [(j, c) for j in new for c in j.choices]
+        room = min(GROW, max(self._remaining(j, c) for j, c in self.rows + rows if not c.done))
+        ids, valid = pad_sequences([j.prompt_ids for j in new], self.tok.pad_id, "left")
+        # an empty batch: the new rows' cache is the frame (room to decode); else a prompt-sized one, placed
+        cache = frame.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
+        logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
+        if any(j.params.n > 1 for j in new):   # each prompt prefilled once, copied to its n rows
+            copies = torch.tensor([i for i, j in enumerate(new) for _ in range(j.params.n)], device=self.device)
+            cache, logits = frame.take(cache, copies), logits[copies]
+        if not self.rows:
+            self.cache, self.rows, self.logits, self._admitting = cache, rows, logits, []
+            return
+        pos, cols = frame.write_pos(self.cache), frame.width(self.cache)
+        used = int(self.cache.count.max())   # real tokens of the longest row (finished ones still here too)
+        fits = width <= pos and pos - used < SLACK
+        if not fits:   # a new frame: as far right as the longest row needs (it grows when full)
+            pos = max(used, width)
+            cols = None if cols is None else pos + room
+            self.cache = frame.place(self.cache, pos, cols)
+        self.cache = frame.join(self.cache, frame.place(cache, pos, cols))
+        self.rows += rows
+        self.logits = torch.cat([self.logits, logits])
+        self._admitting = []
+
+    def _sample(self) -> torch.Tensor:
+        """One token per row: each group of rows with the same settings in one call, with keyed uniforms."""
+        keys = torch.tensor([c.key for _, c in self.rows], dtype=torch.long)
+        ts = torch.tensor([len(c.tokens) for _, c in self.rows], dtype=torch.long)
+        u = token_uniforms(keys, ts)
+        groups: dict[tuple, list[int]] = {}
+        for i, (job, _) in enumerate(self.rows):
+            groups.setdefault(job.params.group, []).append(i)
+        if len(groups) == 1:
+            (temperature, top_k, top_p), = groups
+            tokens, _ = sample_next(self.logits, temperature, top_k, top_p, None, u)
+        else:
+            tokens = torch.empty(len(self.rows), dtype=torch.long, device=self.device)
+            for (temperature, top_k, top_p), idx in groups.items():
+                at = torch.tensor(idx, device=self.device)
+                tokens[at] = sample_next(self.logits[at], temperature, top_k, top_p, None, u[idx])[0]
+        want = [i for i, (job, c) in enumerate(self.rows) if job.params.logprobs is not None and not c.done]
+        if want:
+            at = torch.tensor(want, device=self.device)
+            logp = self.logits[at].log_softmax(-1)
+            chosen = logp.gather(-1, tokens[at][:, None]).squeeze(-1).tolist()
+            k = max(self.rows[i][0].params.logprobs for i in want)
+            top = logp.topk(k, dim=-1) if k else None
+            for n, i in enumerate(want):
+                job, choice = self.rows[i]
+                choice.logprobs.append(chosen[n])
+                kk = job.params.logprobs
+                choice.top.append(list(zip(top.indices[n, :kk].tolist(), top.values[n, :kk].tolist())) if kk else [])
+        return tokens
+
+    def _record(self, job: Job, choice: Choice, token: int) -> None:
+        """Append a token; end the choice at a stop token, a stop string or max_tokens."""
+        choice.tokens.append(token)
+        finish = "stop" if token in self.stop_ids else "length" if len(choice.tokens) >= job.params.max_tokens else None
+        # the text is decoded only when something reads it: a stream, stop strings, or the end
+        if job.live or job.params.stop or finish:
+            text = self.tok.decode(choice.tokens[:-1] if finish == "stop" else choice.tokens)
+            # search from where the old text could end a stop string (an unfinished character may still change)
+            cut = _first_stop(text, job.params.stop, len(choice.text.rstrip("\ufffd")))
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+            choice.text = text
+        choice.finish_reason = finish   # last: another thread reads the text once this is set
+        if job.on_update is not None and (job.live or choice.done):
+            job.on_update(job, choice)
+
+
+def _first_stop(text: str, stops: tuple[str, ...], before: int) -> int | None:
+    """Where the first stop string starts in `text` (searching from where `before` chars of old
+    text could still end one), or None."""
+    found = [i for s in stops if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing chars of a running choice's text not to stream yet: an incomplete character
+    (U+FFFD from a partial UTF-8 sequence), trailing spaces (a tokenizer's clean-up may drop a space
+    before the next token, as in " ," -> ","), or the start of a possible stop string."""
+    hold = len(text) - len(text.rstrip("\ufffd \t"))
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold

@@ -1,0 +1,122 @@
+"""The KV cache of a continuously batched decode, where rows join and leave between steps.
+
+All rows write their next token at one shared column, `pos`. A row's real tokens are the last
+`count` columns before it (prompts are left-padded, then one token per step). Each row takes its
+positions from its own count of real tokens, not from its column, so moving a row to other
+columns does not change what it computes. Three operations keep the batch tight:
+- `take`: keep some rows (finished rows leave; a prompt's n samples are copies of one row);
+- `place`: the same rows in a frame with another write column and width (room for longer
+  prompts, or dropping columns that no row uses any more);
+- `join`: stack two frames of the same geometry (rows that just joined the batch).
+
+Supported caches: the built-in GPT's `KVCache` (with `count` set), the lean HF decoder's
+`LeanCache`, and HF's `DynamicCache` (through `HFCache`) when none of its layers slides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.gpt import KVCache
+from ..models.hf import HFCache
+from ..models.lean_decode import LeanCache
+
+
+def new_cache(model, batch: int, width: int, decoder=None):
+    """An empty cache of `batch` rows and `width` columns with per-row positions. `decoder`: a
+    `LeanDecoder` built once for the server (an HF model's fused weights), else the model's own."""
+    if decoder is not None:
+        return decoder.new_cache(batch, width)
+    cache = model.new_cache(batch, width)
+    if isinstance(cache, KVCache):
+        cache.count = torch.zeros(batch, dtype=torch.long, device=cache.kv.device)
+    elif isinstance(cache, LeanCache):   # model.new_cache built a decoder: the server passes its own
+        raise ValueError("pass the server's LeanDecoder as `decoder`")
+    return cache
+
+
+def write_pos(cache) -> int:
+    """The column the next token is written at."""
+    if isinstance(cache, HFCache):
+        return 0 if cache.mask is None else cache.mask.size(1)
+    return cache.pos
+
+
+def width(cache) -> int | None:
+    """Columns allocated (None: HF's cache grows as it goes)."""
+    return None if isinstance(cache, HFCache) else cache.max_len
+
+
+def _layers(cache: HFCache) -> list:
+    from transformers.cache_utils import DynamicLayer
+    layers = cache.past.layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        raise ValueError("continuous batching needs a model without sliding-window or other special cache "
+                         "layers (or one the lean decode path supports: llama, mistral, qwen2, qwen3)")
+    return layers
+
+
+def take(cache, rows: torch.Tensor):
+    """The cache of `rows` (indices; repeats copy a row), in the same geometry."""
+    if isinstance(cache, HFCache):
+        for layer in _layers(cache):
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        cache.mask, cache.count = cache.mask[rows], cache.count[rows]
+        return cache
+    out = type(cache).__new__(type(cache))
+    out.__dict__.update(cache.__dict__)
+    out.kv, out.count = cache.kv[:, rows], cache.count[rows]
+    if isinstance(cache, KVCache):
+        out.key_valid = cache.key_valid[rows]
+    else:
+        out.bias = cache.bias[rows]
+    return out
+
+
+def place(cache, pos: int, cols: int | None):
+    """The same rows with their last min(pos, old pos) columns moved to end at column `pos`, in a frame
+    of `cols` columns (ignored for HF's growing cache). The caller keeps every row's real tokens:
+    pos >= the largest count."""
+    old = write_pos(cache)
+    k = min(old, pos)
+    if isinstance(cache, HFCache):
+        for layer in _layers(cache):
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                new = t.new_zeros((*t.shape[:2], pos, t.size(-1)))
+                new[:, :, pos - k:] = t[:, :, old - k:old]
+                setattr(layer, name, new)
+        mask = cache.mask.new_zeros((cache.mask.size(0), pos))
+        mask[:, pos - k:] = cache.mask[:, old - k:old]
+        cache.mask = mask
+        return cache
+    out = type(cache).__new__(type(cache))
+    out.__dict__.update(cache.__dict__)
+    kv = cache.kv
+    out.kv = kv.new_zeros((*kv.shape[:3], cols, kv.size(-1)))
+    out.kv[:, :, :, pos - k:pos] = kv[:, :, :, old - k:old]
+    if isinstance(cache, KVCache):
+        out.key_valid = cache.key_valid.new_zeros((cache.key_valid.size(0), cols))
+        out.key_valid[:, pos - k:pos] = cache.key_valid[:, old - k:old]
+    else:
+        out.bias = cache.bias.new_full((cache.bias.size(0), cols), float("-inf"))
+        out.bias[:, pos - k:pos] = cache.bias[:, old - k:old]
+    out.pos, out.max_len = pos, cols
+    return out
+
+
+def join(a, b):
+    """Rows of `a` then rows of `b`: two frames of the same write column and width."""
+    if isinstance(a, HFCache):
+        for la, lb in zip(_layers(a), _layers(b)):
+            la.keys, la.values = torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values])
+        a.mask, a.count = torch.cat([a.mask, b.mask]), torch.cat([a.count, b.count])
+        return a
+    out = type(a).__new__(type(a))
+    out.__dict__.update(a.__dict__)
+    out.kv, out.count = torch.cat([a.kv, b.kv], dim=1), torch.cat([a.count, b.count])
+    if isinstance(a, KVCache):
+        out.key_valid = torch.cat([a.key_valid, b.key_valid])
+    else:
+        out.bias = torch.cat([a.bias, b.bias])
+    return out

@@ -1,0 +1,186 @@
+"""`grpolab generate MODEL --in PROMPTS.jsonl --out OUT.jsonl`: offline batch generation.
+
+Every input row's prompt (a string, or a list of chat messages) is rendered as training renders
+it, sampled `n` times by the continuous batcher (the server's engine, same sampling keys) and
+written to OUT as soon as it finishes. A rerun skips the rows already in OUT, so an interrupted
+job resumes where it stopped; with a seed (default 0) a row's completions do not depend on which
+rows ran beside it, so a resumed job writes what an uninterrupted one would. When every row is
+done, OUT is rewritten in input order. With `--score`, the configured reward functions score each
+completion (dataset columns passed by name, as in training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from ..config import ConfigError
+from ..data.loading import DataError
+from ..logging.console import Console, fmt_duration
+from ..utils.files import write_atomic
+from .batcher import Job, SamplingParams
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+OUTPUT_KEYS = ("index", "completions", "finish_reasons", "completion_tokens", "rewards", "scores")
+
+
+def sampling_settings(pairs: list[str]) -> dict:
+    """`key=value` sampling settings (the server's names; values parsed as YAML, so stop='["\\n"]' is a list)."""
+    out = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in SAMPLING_KEYS:
+            raise ConfigError(f"{key!r} is not a sampling setting; use one of {', '.join(SAMPLING_KEYS)} "
+                             f"(or a dotted config key for scoring, e.g. reward.functions=[gsm8k_accuracy])")
+        v = yaml.safe_load(value) if value else None
+        if key == "stop":
+            v = [v] if isinstance(v, str) else v
+            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+                raise ConfigError(f"stop: {value!r} is not a non-empty string or a list of them, e.g. 'stop=[\"\\n\\n\"]'")
+        elif key in ("max_tokens", "top_k", "seed"):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(f"{key}: {value!r} is not an integer")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ConfigError(f"{key}: {value!r} is not a number")
+        limits = {"max_tokens": (v or 0) >= 1 if key == "max_tokens" else True,
+                  "temperature": v >= 0 if key == "temperature" else True,
+                  "top_p": 0 < v <= 1 if key == "top_p" else True,
+                  "top_k": v >= -1 if key == "top_k" else True}
+        if not limits.get(key, True):
+            raise ConfigError(f"{key}: {value!r} is out of range (max_tokens >= 1, temperature >= 0, "
+                              f"0 < top_p <= 1, top_k >= 0 or -1)")
+        out[key] = v
+    return out
+
+
+def read_prompts(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {n} is not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise DataError(f"{path}: line {n} has no 'prompt' (each line: an object with a 'prompt' string "
+                                f"or a list of chat messages)")
+            if not isinstance(row["prompt"], (str, list)):
+                raise DataError(f"{path}: line {n}: 'prompt' must be a string or a list of messages")
+            clash = [k for k in OUTPUT_KEYS if k in row]
+            if clash:
+                raise DataError(f"{path}: line {n} has the column {clash[0]!r}, which generate writes; rename it")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _done_rows(path: Path) -> dict[int, dict]:
+    """Rows already written to OUT (a line cut short by a crash is dropped, and the file rewritten without it)."""
+    if not path.exists():
+        return {}
+    done, good = {}, []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            done[int(row["index"])] = row
+            good.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    write_atomic(path, "".join(line + "\n" for line in good))
+    return done
+
+
+def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, settings: dict | None = None,
+                 max_batch: int = 64, score_cfg=None, dtype: str = "float32", device: str = "cpu",
+                 max_model_len: int | None = None, console: Console | None = None) -> dict:
+    """Generate for every row of `in_path` not yet in `out_path`; returns counts and throughput.
+    `score_cfg`: a Config whose reward functions score the completions (None: no scoring)."""
+    from .server import load_engine
+
+    console = console or Console()
+    settings = dict(settings or {})
+    rows = read_prompts(in_path)
+    out = Path(out_path)
+    if out.parent:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_rows(out)
+    if done and max(done) >= len(rows):
+        raise DataError(f"{out_path} holds row {max(done)}, but {in_path} has {len(rows)} rows: "
+                        f"is it the output of another input?")
+    if score_cfg is not None:
+        from ..rewards.combine import check_signatures
+        columns = sorted({k for r in rows for k in r if k != "prompt"})
+        check_signatures(list(score_cfg.reward.functions), columns)
+    batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
+                                        dtype=dtype, device=device)
+    todo = [i for i in range(len(rows)) if i not in done]
+    finished: list[Job] = []
+    jobs = {}
+    for i in todo:
+        try:
+            ids = tok.render_prompt(rows[i]["prompt"])
+        except ValueError as e:
+            raise DataError(f"{in_path}: row index {i}: {e}") from None
+        room = context - len(ids)
+        max_tokens = settings.get("max_tokens") or room
+        if room < 1 or max_tokens > room:
+            raise DataError(f"{in_path}: row index {i}: the prompt is {len(ids)} tokens; with max_tokens {max_tokens} "
+                            f"that exceeds the model's context of {context} tokens")
+        stop = settings.get("stop") or ()
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(settings.get("temperature", 1.0)),
+                                top_p=float(settings.get("top_p", 1.0)), top_k=max(int(settings.get("top_k", 0)), 0),
+                                n=n, stop=tuple([stop] if isinstance(stop, str) else stop),
+                                seed=int(settings.get("seed", 0)), logprobs=None)
+        jobs[i] = Job(ids, params, lambda job, choice: job.done and finished.append(job), draw=i)
+    console.info(f"generate: {len(todo)} rows to do ({len(done)} already in {out_path}), n={n}, "
+                 f"max batch {max_batch}")
+    index = {id(job): i for i, job in jobs.items()}
+    for i in todo:
+        batcher.submit(jobs[i])
+    t0, last, written, tokens = time.perf_counter(), 0.0, 0, 0
+    with open(out, "a") as f:
+        while not batcher.idle():
+            batcher.step()
+            for job in finished:
+                i = index[id(job)]
+                row = {"index": i, **rows[i], "completions": [c.text for c in job.choices],
+                       "finish_reasons": [c.finish_reason for c in job.choices],
+                       "completion_tokens": [len(c.tokens) for c in job.choices]}
+                if score_cfg is not None:
+                    row.update(_score(score_cfg, rows[i], row["completions"]))
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                written += 1
+                tokens += sum(row["completion_tokens"])
+            finished.clear()
+            now = time.perf_counter() - t0
+            if written and (now - last > 5 or written == len(todo)):
+                last = now
+                rate = written / now
+                bar = int(20 * (len(done) + written) / len(rows))
+                console.info(f"[{'#' * bar}{'.' * (20 - bar)}] generate {len(done) + written}/{len(rows)} rows | "
+                             f"{rate:.1f} rows/s | {tokens / now:.0f} tok/s | "
+                             f"ETA {fmt_duration((len(todo) - written) / rate)}")
+        os.fsync(f.fileno())
+    # all rows done: rewrite in input order
+    final = _done_rows(out)
+    write_atomic(out, "".join(json.dumps(final[i]) + "\n" for i in sorted(final)))
+    elapsed = time.perf_counter() - t0
+    console.result(f"wrote {out_path}: {len(final)} rows ({written} new in {elapsed:.1f}s)")
+    return {"rows": len(final), "new": written, "seconds": elapsed, "tokens": tokens}
+
+
+def _score(cfg, row: dict, completions: list[str]) -> dict:
+    from ..rewards.combine import score
+    k = len(completions)
+    columns = {c: [row[c]] * k for c in row if c != "prompt"}
+    total, per = score(list(cfg.reward.functions), cfg.reward.weights, [row["prompt"]] * k, completions, columns)
+    return {"rewards": total.tolist(),
+            "scores": {name: [None if v != v else v for v in t.tolist()] for name, t in per.items()}}

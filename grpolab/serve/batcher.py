@@ -117,7 +117,8 @@ class Batcher:
 
     @property
     def running(self) -> int:
-        return len(self.rows)
+        """Rows still decoding (finished rows waiting to be dropped do not count)."""
+        return sum(not c.done for _, c in list(self.rows))
 
     @property
     def waiting(self) -> int:

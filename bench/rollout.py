@@ -1,10 +1,24 @@
-"""Rollout throughput: our engine vs transformers' `generate` on the same tiny Llama.
+"""Rollout throughput: our engine vs transformers' `generate` on the same model.
 
-16 prompts x 4 samples x exactly 64 new tokens, temperature 1.0, fp32, CPU, 2 threads.
-Runs alternate (ours, HF, ours, HF, ...) after a warm-up; reports the median of each and the
-ratio as one JSON line. Also times the built-in GPT (ours only).
+--shape tiny (default): a tiny Llama (hidden 128), 16 prompts x 4 samples x exactly 64 new tokens.
+Also times the built-in GPT (ours only).
 
-    python bench/rollout.py [--runs 5]
+--shape realistic: a Llama of ~54M parameters (hidden 512, 8 layers, 8 heads, MLP 1024, vocab 32,000,
+untied head) built locally with random weights; 8 prompts of 128 random token ids x 8 samples, in two
+length regimes applied identically to both sides:
+  * fixed: exactly 256 new tokens per row;
+  * variable (RL-like): row r stops at a length L_r in [16, 256] drawn from a skewed distribution
+    (16 + 240 u^3, u uniform, the longest row set to 256), forced the same way on both sides: a logits
+    processor makes the end-of-sequence token impossible before L_r and certain at L_r (ours through
+    `generate(logits_hook=...)`, HF's through `logits_processor`). Tokens/s count useful tokens, sum(L_r).
+The lengths are checked on both outputs. Each figure is also stated against this machine's limits
+(bench/roofline.py, measured in the same run): useful matmul FLOP/s over the decode-shape matmul
+rate, and bytes of weights and KV cache read per second over the copy bandwidth.
+
+All runs: temperature 1.0, fp32, CPU, 2 threads; runs alternate (ours, HF, ours, HF, ...) after a
+warm-up; the medians and their ratio are printed as one JSON line.
+
+    python bench/rollout.py [--runs 5] [--shape tiny|realistic]
 """
 
 from __future__ import annotations
@@ -51,11 +65,129 @@ def hf(model, prompts, pad_id, seed):
     return PROMPTS * SAMPLES * NEW / dt
 
 
+# ---- the realistic shape -----------------------------------------------------------------------------
+R_PROMPTS, R_SAMPLES, R_PROMPT_LEN, R_NEW, EOS = 8, 8, 128, 256, 2
+R_HIDDEN, R_LAYERS, R_HEADS, R_MLP, R_VOCAB = 512, 8, 8, 1024, 32_000
+
+
+def realistic_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpolab.models.hf import HFPolicy
+    cfg = LlamaConfig(vocab_size=R_VOCAB, hidden_size=R_HIDDEN, num_hidden_layers=R_LAYERS,
+                      num_attention_heads=R_HEADS, num_key_value_heads=R_HEADS, intermediate_size=R_MLP,
+                      max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=EOS, pad_token_id=0,
+                      bos_token_id=1)
+    torch.manual_seed(0)
+    return HFPolicy(LlamaForCausalLM(cfg).eval())
+
+
+def stop_lengths() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(R_PROMPTS * R_SAMPLES, generator=g)
+    lengths = (16 + 240 * u ** 3).long()
+    lengths[lengths.argmax()] = R_NEW   # a few rows run to the cap
+    return lengths
+
+
+def force_lengths(logits: torch.Tensor, t: int, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """EOS impossible before a row's length, certain at it (token t is the (t+1)-th)."""
+    logits[:, EOS] = float("-inf")
+    at = lengths[rows.to(lengths.device)] == t + 1
+    if bool(at.any()):
+        logits[at] = float("-inf")
+        logits[at, EOS] = 0.0
+    return logits
+
+
+def r_ours(policy, prompts, seed, lengths=None) -> tuple[float, int]:
+    g = torch.Generator().manual_seed(seed)
+    hook = None if lengths is None else (lambda lg, t, rows: force_lengths(lg, t, rows, lengths))
+    t = time.perf_counter()
+    out = generate(policy, prompts, num_generations=R_SAMPLES, max_new_tokens=R_NEW, temperature=1.0,
+                   stop_ids=() if lengths is None else (EOS,), pad_id=0, generator=g, logits_hook=hook)
+    dt = time.perf_counter() - t
+    got = out.completion_mask.sum(-1)
+    want = lengths if lengths is not None else torch.full_like(got, R_NEW)
+    assert torch.equal(got, want), "ours: completion lengths differ from the forced ones"
+    return dt, int(want.sum())
+
+
+def r_hf(policy, prompts, seed, lengths=None) -> tuple[float, int]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            rows = torch.arange(scores.size(0))
+            return force_lengths(scores, input_ids.size(1) - R_PROMPT_LEN, rows, lengths)
+    ids = torch.tensor(prompts)
+    torch.manual_seed(seed)
+    extra = ({"min_new_tokens": R_NEW, "eos_token_id": None} if lengths is None else
+             {"eos_token_id": EOS, "logits_processor": LogitsProcessorList([Force()])})
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = policy.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=R_NEW, num_return_sequences=R_SAMPLES,
+                                 pad_token_id=0, **extra)
+    dt = time.perf_counter() - t
+    gen = out[:, R_PROMPT_LEN:]
+    if lengths is None:
+        assert gen.size(1) == R_NEW
+        return dt, gen.numel()
+    first_eos = (gen == EOS).long().argmax(-1) + 1
+    assert torch.equal(first_eos, lengths), "HF: completion lengths differ from the forced ones"
+    return dt, int(lengths.sum())
+
+
+def realistic(runs: int) -> dict:
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import roofline
+
+    policy = realistic_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, R_VOCAB, (R_PROMPTS, R_PROMPT_LEN), generator=g).tolist()
+    lengths = stop_lengths()
+    limits = roofline.measure()
+    params = sum(p.numel() for n, p in policy.named_parameters() if "embed_tokens" not in n)
+    result = {"bench": "rollout", "shape": "realistic", "params": sum(p.numel() for p in policy.parameters()),
+              "prompts": R_PROMPTS, "samples": R_SAMPLES, "prompt_len": R_PROMPT_LEN, "max_new": R_NEW,
+              "runs": runs, "limits": limits}
+    for regime, lens in (("fixed", None), ("variable", lengths)):
+        r_ours(policy, prompts, 0, lens), r_hf(policy, prompts, 0, lens)   # warm-up
+        a, b = [], []
+        for i in range(runs):
+            a.append(r_ours(policy, prompts, i + 1, lens))
+            b.append(r_hf(policy, prompts, i + 1, lens))
+        ours_s, hf_s = statistics.median(x[0] for x in a), statistics.median(x[0] for x in b)
+        useful = a[0][1]
+        lens_f = lens.double() if lens is not None else torch.full((R_PROMPTS * R_SAMPLES,), float(R_NEW))
+        # useful matmul FLOPs: 2 x non-embedding weights per token, plus attention's QK and AV over the context
+        attn = float((4 * R_LAYERS * R_HIDDEN * (R_PROMPT_LEN + (lens_f + 1) / 2) * lens_f).sum())
+        flops = 2 * params * useful + attn
+        # bytes read by a decode that drops finished rows: per step the weights, per row-step its KV so far
+        kv = float((2 * R_LAYERS * R_HIDDEN * 4 * (R_PROMPT_LEN + (lens_f + 1) / 2) * lens_f).sum())
+        steps = int(lens_f.max())
+        bytes_read = steps * params * 4 + kv
+        result[regime] = {
+            "useful_tokens": useful, "ours_tok_s": round(useful / ours_s, 1), "hf_generate_tok_s": round(useful / hf_s, 1),
+            "ratio_ours_over_hf": round(hf_s / ours_s, 2),
+            "ours_fraction_of_matmul_limit": round(flops / ours_s / 1e9 / limits["decode_matmul_gflops"], 3),
+            "ours_fraction_of_bandwidth": round(bytes_read / ours_s / 1e9 / limits["copy_bandwidth_gbs"], 3),
+            "ours_s": [round(x[0], 3) for x in a], "hf_s": [round(x[0], 3) for x in b]}
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--shape", choices=["tiny", "realistic"], default="tiny")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.shape == "realistic":
+        print(json.dumps({**realistic(args.runs), "torch": torch.__version__}))
+        return
     rows = arithmetic.generate("test", PROMPTS, seed=0)
     with tempfile.TemporaryDirectory() as d:
         save_tiny_model(d, vocab_size=512, hidden=128, layers=4, heads=4, intermediate=512)

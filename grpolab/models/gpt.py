@@ -70,6 +70,14 @@ class KVCache:
         out.count = None if self.count is None else self.count.repeat_interleave(n)
         return out
 
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """The cache of `rows` (indices, e.g. the rows still decoding), same columns."""
+        out = KVCache.__new__(KVCache)
+        out.kv, out.key_valid = self.kv[:, rows], self.key_valid[rows]
+        out.pos, out.max_len = self.pos, self.max_len
+        out.count = None if self.count is None else self.count[rows]
+        return out
+
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:

@@ -108,6 +108,12 @@ class HFCache:
         self.count = self.count.repeat_interleave(n, dim=0)
         return self
 
+    def select(self, rows: torch.Tensor) -> "HFCache":
+        """Only `rows` (indices, e.g. the rows still decoding). Reuses the object."""
+        self.past.batch_select_indices(rows)
+        self.mask, self.count = self.mask[rows], self.count[rows]
+        return self
+
 
 # architectures whose logits are lm_head(last hidden state), nothing more (no soft-capping, no scale)
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "smollm3"})

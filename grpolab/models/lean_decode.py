@@ -143,6 +143,13 @@ class LeanCache:
         out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
         return out
 
+    def select(self, rows: torch.Tensor) -> "LeanCache":
+        """The cache of `rows` (indices, e.g. the rows still decoding), same columns."""
+        out = LeanCache.__new__(LeanCache)
+        out.kv, out.bias, out.count = self.kv[:, rows], self.bias[rows], self.count[rows]
+        out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
+        return out
+
 
 class LeanDecoder:
     """The forward pass of a supported HF causal LM, for sampling with a `LeanCache`.

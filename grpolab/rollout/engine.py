@@ -2,7 +2,8 @@
 
 Each prompt is prefilled once; its cache is then copied to its G samples and all
 P*G rows decode together, one token per forward pass, until every row has emitted a
-stop token or max_new_tokens is reached.
+stop token or max_new_tokens is reached. Rows that have stopped leave the batch (in
+groups: a quarter of the batch at a time), so later steps compute only the rows still going.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,
              generator: torch.Generator | None = None, keys: torch.Tensor | None = None,
-             tools=None) -> Generation:
+             tools=None, logits_hook=None) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
@@ -63,7 +64,12 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     depend on its key alone (the same completions however the rows are batched); otherwise the
     rows share `generator`'s stream.
     `tools` (a `tool_decode.ToolUse`): rows may call tools mid-completion (see tool_decode).
+    `logits_hook(logits, t, rows) -> logits`: called before each token is sampled, with the logits (R, V)
+    of the R rows still decoding, the token index t and `rows` (R,), those rows' indices among the
+    B outputs (a logits processor; bench/rollout.py forces each row's stop length with it).
     """
+    if logits_hook is not None and tools is not None:
+        raise ValueError("logits_hook is not supported together with tools")
     if keys is not None and keys.numel() != len(prompts) * num_generations:
         raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {num_generations} generations")
     with torch.inference_mode():
@@ -73,13 +79,13 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
                                     stop_ids, pad_id, generator, keys, tools)
         else:
             out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
-                          stop_ids, pad_id, generator, keys)
+                          stop_ids, pad_id, generator, keys, logits_hook)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
 
 
 def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
-            generator, keys) -> Generation:
+            generator, keys, logits_hook=None) -> Generation:
     device = next(model.parameters()).device
     G = num_generations
     keys = keys.to(device) if keys is not None else None
@@ -92,26 +98,43 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
     logits = logits.repeat_interleave(G, dim=0)
     B = logits.size(0)
 
-    out = torch.empty((B, max_new_tokens), dtype=torch.long, device=device)
-    logps = torch.empty((B, max_new_tokens), dtype=torch.float32, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    # filled with padding: rows that leave the batch early keep it after their stop token
+    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    live = None   # indices (into the B rows) of the rows still in the batch; None: all of them
+    done = torch.zeros(B, dtype=torch.bool, device=device)   # over the rows in the batch
     steps = 0
     # The loop only samples and records; which tokens count (up to each row's first stop) is
     # worked out once afterwards, so a step costs the forward pass and little else.
     for t in range(max_new_tokens):
         steps = t + 1
         u = token_uniforms(keys, t) if keys is not None else None
+        if logits_hook is not None:
+            logits = logits_hook(logits, t, live if live is not None else torch.arange(B, device=device))
         tok, lp = sample_next(logits, temperature, top_k, top_p, generator, u)
-        out[:, t] = tok
-        logps[:, t] = lp
+        if live is None:
+            out[:, t] = tok
+            logps[:, t] = lp
+        else:
+            out[live, t] = tok
+            logps[live, t] = lp
         if len(stop_ids):
             done |= torch.isin(tok, stops)
-            if bool(done.all()):
+            finished = int(done.sum())
+            if finished == done.numel():
                 break
+            # Rows that have stopped leave the batch once they are a quarter of it, so a rollout costs
+            # the tokens actually generated rather than rows x the longest (dropping rows copies the
+            # KV cache, hence not one row at a time).
+            if t < max_new_tokens - 1 and finished * 4 >= done.numel():
+                keep = (~done).nonzero().squeeze(1)
+                cache, tok, done = cache.select(keep), tok[keep], done[keep]
+                keys = keys[keep] if keys is not None else None
+                live = keep if live is None else live[keep]
         if t == max_new_tokens - 1:
             break
-        logits = model(out[:, t:t + 1], cache=cache)[:, -1]
+        logits = model(tok[:, None], cache=cache)[:, -1]
     out, logps = out[:, :steps], logps[:, :steps]
     if bool(logps.isnan().any()):   # checked once per rollout, not per token: a per-step check would sync
         raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")

@@ -58,19 +58,7 @@ def _layers(cache: HFCache) -> list:
 
 def take(cache, rows: torch.Tensor):
     """The cache of `rows` (indices; repeats copy a row), in the same geometry."""
-    if isinstance(cache, HFCache):
-        for layer in _layers(cache):
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        cache.mask, cache.count = cache.mask[rows], cache.count[rows]
-        return cache
-    out = type(cache).__new__(type(cache))
-    out.__dict__.update(cache.__dict__)
-    out.kv, out.count = cache.kv[:, rows], cache.count[rows]
-    if isinstance(cache, KVCache):
-        out.key_valid = cache.key_valid[rows]
-    else:
-        out.bias = cache.bias[rows]
-    return out
+    return cache.select(rows)
 
 
 def place(cache, pos: int, cols: int | None):

@@ -101,3 +101,38 @@ def test_logprobs_of_a_row_alone_equal_its_logprobs_in_the_padded_batch(tiny_gpt
                                   g.completion_ids[i:i + 1], cmask[i:i + 1])
         assert one.shape == (1, g.completion_ids.size(1))
         torch.testing.assert_close(one[0], full[i], atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_stop_leave_the_batch_and_the_rest_decode_as_alone(tiny_gpt, tok):
+    """Rows forced to stop at different lengths leave the decode batch (the logits hook sees fewer rows);
+    every row's tokens and log-probs are what that row gives decoded alone."""
+    from grpolab.rollout.keys import completion_keys
+    prompts = [tok.render_prompt(q) for q in ("3 + 4?", "10 - 2 = ?", "7 x 6")]
+    G, cap = 4, 40
+    lengths = torch.tensor([3, 5, 8, 40, 2, 2, 2, 2, 30, 12, 6, 1])
+    keys = completion_keys(9, torch.arange(3).repeat_interleave(G), torch.arange(G).repeat(3))
+    seen = []
+
+    def force(lens):
+        def hook(logits, t, rows):
+            seen.append(len(rows))
+            logits = logits.clone()
+            logits[:, tok.eos_id] = float("-inf")
+            at = lens[rows] == t + 1
+            logits[at] = float("-inf")
+            logits[at, tok.eos_id] = 0.0
+            return logits
+        return hook
+    out = generate(tiny_gpt, prompts, num_generations=G, max_new_tokens=cap, temperature=1.0, stop_ids=tok.stop_ids,
+                   pad_id=tok.pad_id, keys=keys, logits_hook=force(lengths))
+    assert out.completion_mask.sum(-1).tolist() == lengths.tolist()
+    assert seen[0] == 12 and seen[-1] == 1 and len(set(seen)) > 2   # the batch shrank as rows stopped
+    for r in range(12):
+        seen.clear()
+        alone = generate(tiny_gpt, [prompts[r // G]], num_generations=1, max_new_tokens=cap, temperature=1.0,
+                         stop_ids=tok.stop_ids, pad_id=tok.pad_id, keys=keys[r:r + 1],
+                         logits_hook=force(lengths[r:r + 1]))
+        n = int(lengths[r])
+        assert alone.completion_ids[0, :n].tolist() == out.completion_ids[r, :n].tolist()
+        assert torch.allclose(alone.sampler_logprobs[0, :n], out.sampler_logprobs[r, :n], atol=1e-5)
+    assert (out.completion_ids[out.completion_mask.logical_not()] == tok.pad_id).all()

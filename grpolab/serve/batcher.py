@@ -197,7 +197,7 @@ class Batcher:
             self.cache, self.logits = None, None
             return
         rows = torch.tensor(idx, device=self.device)
-        self.cache, self.logits = frame.take(self.cache, rows), self.logits[rows]
+        self.cache, self.logits = self.cache.select(rows), self.logits[rows]
 
     def _remaining(self, job: Job, choice: Choice) -> int:
         return job.params.max_tokens - len(choice.tokens)
@@ -233,7 +233,7 @@ class Batcher:
         logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
         if any(j.params.n > 1 for j in new):   # each prompt prefilled once, copied to its n rows
             copies = torch.tensor([i for i, j in enumerate(new) for _ in range(j.params.n)], device=self.device)
-            cache, logits = frame.take(cache, copies), logits[copies]
+            cache, logits = cache.select(copies), logits[copies]
         if not self.rows:
             self.cache, self.rows, self.logits, self._admitting = cache, rows, logits, []
             return

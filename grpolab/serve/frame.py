@@ -4,7 +4,8 @@ All rows write their next token at one shared column, `pos`. A row's real tokens
 `count` columns before it (prompts are left-padded, then one token per step). Each row takes its
 positions from its own count of real tokens, not from its column, so moving a row to other
 columns does not change what it computes. Three operations keep the batch tight:
-- `take`: keep some rows (finished rows leave; a prompt's n samples are copies of one row);
+- the caches' own `select(rows)`: keep some rows (finished rows leave; a prompt's n samples are
+  copies of one row);
 - `place`: the same rows in a frame with another write column and width (room for longer
   prompts, or dropping columns that no row uses any more);
 - `join`: stack two frames of the same geometry (rows that just joined the batch).
@@ -54,11 +55,6 @@ def _layers(cache: HFCache) -> list:
         raise ValueError("continuous batching needs a model without sliding-window or other special cache "
                          "layers (or one the lean decode path supports: llama, mistral, qwen2, qwen3)")
     return layers
-
-
-def take(cache, rows: torch.Tensor):
-    """The cache of `rows` (indices; repeats copy a row), in the same geometry."""
-    return cache.select(rows)
 
 
 def place(cache, pos: int, cols: int | None):

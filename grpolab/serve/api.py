@@ -24,9 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from .batcher import Batcher, Choice, Job, SamplingParams, held_back
-
-MAX_LOGPROBS = 20
+from .batcher import BadSampling, Batcher, Choice, Job, SamplingParams, held_back
 
 
 class APIError(Exception):
@@ -98,26 +96,16 @@ class Server:
         room = self.context - prompt_len
         if max_tokens is None:
             max_tokens = room
-        if max_tokens < 1:
-            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         if max_tokens > room:
             raise APIError(f"the model's context is {self.context} tokens; the prompt takes {prompt_len}, which "
                            f"leaves {room} for the completion, but max_tokens is {max_tokens}", "max_tokens")
-        if r.temperature < 0:
-            raise APIError(f"temperature must be >= 0 (0 = greedy), got {r.temperature}", "temperature")
-        if not 0 < r.top_p <= 1:
-            raise APIError(f"top_p must be in (0, 1], got {r.top_p}", "top_p")
-        if r.top_k < -1:
-            raise APIError(f"top_k must be >= 0 (0 or -1: no top-k), got {r.top_k}", "top_k")
-        if not 1 <= r.n <= self.batcher.max_batch:
+        if r.n > self.batcher.max_batch:
             raise APIError(f"n must be between 1 and the server's max batch ({self.batcher.max_batch}), got {r.n}", "n")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
-        stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-        if any(not s for s in stop):
-            raise APIError("stop strings must not be empty", "stop")
-        return SamplingParams(max_tokens=max_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=max(r.top_k, 0), n=r.n, stop=tuple(stop), seed=r.seed, logprobs=logprobs)
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  n=r.n, stop=r.stop, seed=r.seed, logprobs=logprobs)
+        except BadSampling as e:
+            raise APIError(str(e), e.param) from None
 
     def completion_prompts(self, r: CompletionRequest) -> list[list[int]]:
         p = r.prompt

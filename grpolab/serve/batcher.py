@@ -34,18 +34,45 @@ from . import frame
 SLACK = 32
 # a frame grows by at most this many columns at a time (not a whole context's worth per row up front)
 GROW = 256
+MAX_LOGPROBS = 20
+
+
+class BadSampling(ValueError):
+    """A sampling setting out of range; `param` names it (the server's 400, generate's config error)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling settings, checked here for every caller (the server and `grpolab generate`)."""
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0                # 0 or -1 (vLLM's "off"): no top-k
     n: int = 1
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()    # a string or a list is taken too
     seed: int | None = None
     logprobs: int | None = None   # with log-probs: how many top alternatives per token (0: the chosen only)
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("temperature", self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= -1, f"top_k must be >= 0 (0 or -1: no top-k), got {self.top_k}"),
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+            ("stop", all(stop), "stop strings must not be empty"))
+        for param, ok, message in checks:
+            if not ok:
+                raise BadSampling(param, message)
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
 
     @property
     def group(self) -> tuple:

@@ -22,7 +22,7 @@ from ..config import ConfigError
 from ..data.loading import DataError
 from ..logging.console import Console, fmt_duration
 from ..utils.files import write_atomic
-from .batcher import Job, SamplingParams
+from .batcher import BadSampling, Job, SamplingParams
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 OUTPUT_KEYS = ("index", "completions", "finish_reasons", "completion_tokens", "rewards", "scores")
@@ -38,23 +38,26 @@ def sampling_settings(pairs: list[str]) -> dict:
                              f"(or a dotted config key for scoring, e.g. reward.functions=[gsm8k_accuracy])")
         v = yaml.safe_load(value) if value else None
         if key == "stop":
-            v = [v] if isinstance(v, str) else v
-            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-                raise ConfigError(f"stop: {value!r} is not a non-empty string or a list of them, e.g. 'stop=[\"\\n\\n\"]'")
+            if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v)):
+                raise ConfigError(f"stop: {value!r} is not a string or a list of them, e.g. 'stop=[\"\\n\\n\"]'")
         elif key in ("max_tokens", "top_k", "seed"):
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{key}: {value!r} is not an integer")
         elif not isinstance(v, (int, float)) or isinstance(v, bool):
             raise ConfigError(f"{key}: {value!r} is not a number")
-        limits = {"max_tokens": (v or 0) >= 1 if key == "max_tokens" else True,
-                  "temperature": v >= 0 if key == "temperature" else True,
-                  "top_p": 0 < v <= 1 if key == "top_p" else True,
-                  "top_k": v >= -1 if key == "top_k" else True}
-        if not limits.get(key, True):
-            raise ConfigError(f"{key}: {value!r} is out of range (max_tokens >= 1, temperature >= 0, "
-                              f"0 < top_p <= 1, top_k >= 0 or -1)")
         out[key] = v
+    try:   # the ranges, checked where the server checks them, before any model is loaded
+        sampling_params(out, out.get("max_tokens", 1), 1)
+    except BadSampling as e:
+        raise ConfigError(f"{e.param}: {e}") from None
     return out
+
+
+def sampling_params(settings: dict, max_tokens: int, n: int) -> SamplingParams:
+    """SamplingParams from `sampling_settings`' output; generate's default seed is 0 (a resumed job
+    writes what an uninterrupted one would)."""
+    rest = {k: v for k, v in settings.items() if k not in ("max_tokens", "seed")}
+    return SamplingParams(max_tokens=max_tokens, n=n, seed=settings.get("seed", 0), **rest)
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -86,14 +89,16 @@ def _done_rows(path: Path) -> dict[int, dict]:
     if not path.exists():
         return {}
     done, good = {}, []
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines()
+    for line in lines:
         try:
             row = json.loads(line)
             done[int(row["index"])] = row
             good.append(line)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
-    write_atomic(path, "".join(line + "\n" for line in good))
+    if len(good) < len(lines):   # the appends that follow must not land after a broken line
+        write_atomic(path, "".join(line + "\n" for line in good))
     return done
 
 
@@ -121,7 +126,7 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
     batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                                         dtype=dtype, device=device)
     todo = [i for i in range(len(rows)) if i not in done]
-    finished: list[Job] = []
+    finished: list[int] = []   # rows whose every choice has ended, in order of finishing
     jobs = {}
     for i in todo:
         try:
@@ -133,23 +138,18 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
         if room < 1 or max_tokens > room:
             raise DataError(f"{in_path}: row index {i}: the prompt is {len(ids)} tokens; with max_tokens {max_tokens} "
                             f"that exceeds the model's context of {context} tokens")
-        stop = settings.get("stop") or ()
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(settings.get("temperature", 1.0)),
-                                top_p=float(settings.get("top_p", 1.0)), top_k=max(int(settings.get("top_k", 0)), 0),
-                                n=n, stop=tuple([stop] if isinstance(stop, str) else stop),
-                                seed=int(settings.get("seed", 0)), logprobs=None)
-        jobs[i] = Job(ids, params, lambda job, choice: job.done and finished.append(job), draw=i)
+        jobs[i] = Job(ids, sampling_params(settings, max_tokens, n),
+                      lambda job, choice, i=i: job.done and finished.append(i), draw=i)
     console.info(f"generate: {len(todo)} rows to do ({len(done)} already in {out_path}), n={n}, "
                  f"max batch {max_batch}")
-    index = {id(job): i for i, job in jobs.items()}
     for i in todo:
         batcher.submit(jobs[i])
     t0, last, written, tokens = time.perf_counter(), 0.0, 0, 0
     with open(out, "a") as f:
         while not batcher.idle():
             batcher.step()
-            for job in finished:
-                i = index[id(job)]
+            for i in finished:
+                job = jobs[i]
                 row = {"index": i, **rows[i], "completions": [c.text for c in job.choices],
                        "finish_reasons": [c.finish_reason for c in job.choices],
                        "completion_tokens": [len(c.tokens) for c in job.choices]}

@@ -54,8 +54,9 @@ def _reset_peak() -> float:
     return _status("VmRSS")
 
 
-def build_model(out: Path, layers: int) -> None:
-    """The random Llama and its character-level WordLevel tokenizer (32,000 entries)."""
+def build_model(out: Path, layers: int, intermediate: int = 1376, tie: bool = True) -> None:
+    """The random Llama and its character-level WordLevel tokenizer (32,000 entries)
+    (bench/step.py --shape realistic builds its model here too: 8 layers, MLP 1024, untied head)."""
     import string
 
     import torch
@@ -70,9 +71,9 @@ def build_model(out: Path, layers: int) -> None:
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|end|>", pad_token="<|pad|>", unk_token="?")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=vocab["<|end|>"], pad_token_id=vocab["<|pad|>"],
+                      tie_word_embeddings=tie, eos_token_id=vocab["<|end|>"], pad_token_id=vocab["<|pad|>"],
                       bos_token_id=None)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = cfg.eos_token_id, cfg.pad_token_id
@@ -80,12 +81,12 @@ def build_model(out: Path, layers: int) -> None:
     tok.save_pretrained(str(out))
 
 
-def rows() -> list[dict]:
-    """PROMPTS prompts of exactly PROMPT_TOKENS characters (= tokens)."""
+def rows(n: int = PROMPTS, tokens: int = PROMPT_TOKENS) -> list[dict]:
+    """n prompts of exactly `tokens` characters (= tokens)."""
     from grpolab.data.tasks import arithmetic
     out = []
-    for r in arithmetic.generate("train", PROMPTS, seed=0):
-        p = (r["prompt"] + " " * PROMPT_TOKENS)[:PROMPT_TOKENS]
+    for r in arithmetic.generate("train", n, seed=0):
+        p = (r["prompt"] + " " * tokens)[:tokens]
         out.append({"prompt": p, "answer": r["answer"]})
     return out
 

@@ -1,6 +1,14 @@
-"""One GRPO step: our trainer vs TRL's `GRPOTrainer` on the same tiny Llama, same settings.
+"""One GRPO step: our trainer vs TRL's `GRPOTrainer` on the same model, same settings.
 
-1 prompt x 8 completions x exactly 64 new tokens, beta 0.04 (both hold a frozen reference
+--shape tiny (default): a tiny Llama (hidden 128, BPE vocabulary of 512), 1 prompt x 8 completions x
+exactly 64 new tokens.
+--shape realistic: the Llama of bench/rollout.py --shape realistic (hidden 512, 8 layers, 8 heads, MLP
+1024, untied head, ~54M parameters) with a 32,000-entry character-level tokenizer (bench/memory.py's),
+8 prompts of exactly 128 tokens x 8 completions x exactly 128 new tokens (not the rollout bench's 256:
+a step then takes ~30-60 s per side, and the bench ~15 min). It also measures this machine's matmul
+limit in the same run (bench/roofline.py) and reports the step's useful FLOP/s against it.
+
+Both shapes: beta 0.04 (both hold a frozen reference
 model), temperature 1.0, AdamW lr 1e-5, fp32, CPU, 2 threads, one optimizer pass per batch
 (num_iterations 1), each side's GRPO loss (ours: `algorithm.preset=grpo`; TRL:
 `loss_type="grpo"`), the same reward function on both sides (`grpolab.rewards.length`:
@@ -88,7 +96,12 @@ from grpolab.pipeline import load_policy
 from grpolab.rewards import REWARDS
 from grpolab.train.grpo import GRPOTrainer
 
-G, NEW_TOKENS, BETA, LR, SEED, THREADS = 8, 64, 0.04, 1e-5, 0, 2
+BETA, LR, SEED, THREADS = 0.04, 1e-5, 0, 2
+SHAPES = {   # prompts, completions per prompt, prompt tokens (None: the task's own), new tokens
+    "tiny": {"prompts": 1, "G": 8, "prompt_tokens": None, "new_tokens": 64},
+    "realistic": {"prompts": 8, "G": 8, "prompt_tokens": 128, "new_tokens": 128},
+}
+P, G, NEW_TOKENS = 1, 8, 64   # set from --shape in main()
 REWARD = "length"   # grpolab.rewards.length, given to TRL as the very same function
 TRL_INSTALL = ("python3 -m venv bench/.venv-trl && bench/.venv-trl/bin/pip install torch==2.13.0 && "
                "bench/.venv-trl/bin/pip install -r bench/requirements-trl.txt && "
@@ -108,9 +121,12 @@ def trl_version() -> str | None:
     return trl.__version__
 
 
-def the_prompt() -> dict:
-    """The one arithmetic word problem every step trains on ('prompt', 'answer')."""
-    return arithmetic.generate("train", 1, seed=0)[0]
+def the_rows(shape: str) -> list[dict]:
+    """The P arithmetic word problems every step trains on ('prompt', 'answer')."""
+    if SHAPES[shape]["prompt_tokens"] is None:
+        return arithmetic.generate("train", P, seed=0)
+    import memory
+    return memory.rows(P, SHAPES[shape]["prompt_tokens"])
 
 
 def peak_rss_mib() -> float:
@@ -130,12 +146,12 @@ def peak_rss_mib() -> float:
 
 # ---------------------------------------------------------------- ours
 
-def build_ours(model_dir: Path, row: dict, run_dir: Path) -> GRPOTrainer:
+def build_ours(model_dir: Path, rows: list[dict], run_dir: Path) -> GRPOTrainer:
     """Our trainer on the tiny Llama, configured like the TRL side (see the module docstring)."""
     cfg = config_from_dict({
         "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
         "algorithm": {"preset": "grpo", "beta": BETA, "num_iterations": 1},
-        "rollout": {"prompts_per_step": 1, "num_generations": G, "max_new_tokens": NEW_TOKENS,
+        "rollout": {"prompts_per_step": P, "num_generations": G, "max_new_tokens": NEW_TOKENS,
                     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "ignore_eos": True},
         "reward": {"functions": [REWARD]},
         "optim": {"lr": LR, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "warmup_steps": 0,
@@ -144,8 +160,8 @@ def build_ours(model_dir: Path, row: dict, run_dir: Path) -> GRPOTrainer:
         "log": {"level": "quiet", "samples_every": 0},
     })
     console = Console(stream=sys.stderr, level="quiet")
-    model, tok = load_policy(cfg, [row], console)
-    return GRPOTrainer(cfg, model, tok, [row], [], run_dir, console)
+    model, tok = load_policy(cfg, rows, console)
+    return GRPOTrainer(cfg, model, tok, rows, [], run_dir, console)
 
 
 def ours_step(trainer: GRPOTrainer) -> tuple[float, dict]:
@@ -154,23 +170,23 @@ def ours_step(trainer: GRPOTrainer) -> tuple[float, dict]:
     metrics = trainer.train_step()
     dt = time.perf_counter() - t0
     g = trainer.last_batch.gen
-    assert tuple(g.completion_ids.shape) == (G, NEW_TOKENS) and bool(g.completion_mask.all()), \
+    assert tuple(g.completion_ids.shape) == (P * G, NEW_TOKENS) and bool(g.completion_mask.all()), \
         f"ours produced {tuple(g.completion_ids.shape)} / {int(g.completion_mask.sum())} completion tokens"
     return dt, metrics
 
 
 # ---------------------------------------------------------------- TRL
 
-def build_trl(model_dir: Path, row: dict, out_dir: Path, max_steps: int, callbacks: list):
+def build_trl(model_dir: Path, rows: list[dict], out_dir: Path, max_steps: int, callbacks: list):
     """TRL's GRPOTrainer with the same model, prompt, reward and settings as ours."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(out_dir), max_steps=max_steps, seed=SEED,
-        # one prompt x G completions per optimizer step, generated once per step
-        per_device_train_batch_size=G, gradient_accumulation_steps=1, num_generations=G,
-        generation_batch_size=G, num_iterations=1, shuffle_dataset=False,
+        # P prompts x G completions per optimizer step, generated once per step
+        per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+        generation_batch_size=P * G, num_iterations=1, shuffle_dataset=False,
         # exactly NEW_TOKENS tokens: EOS is masked out until then (see the module docstring)
         max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
         temperature=1.0, top_p=1.0, top_k=0,
@@ -183,8 +199,8 @@ def build_trl(model_dir: Path, row: dict, out_dir: Path, max_steps: int, callbac
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
     )
     assert not args.gradient_checkpointing and not getattr(args, "activation_checkpointing", False)
-    # The same row max_steps times: one epoch covers the whole run (no epoch restarts between steps).
-    dataset = Dataset.from_list([row] * max_steps)
+    # The same P rows max_steps times: one epoch covers the whole run (no epoch restarts between steps).
+    dataset = Dataset.from_list(rows * max_steps)
     trainer = TRLGRPOTrainer(model=str(model_dir), reward_funcs=[REWARDS[REWARD]], args=args,
                              train_dataset=dataset, callbacks=callbacks)
     return trainer
@@ -206,7 +222,7 @@ def check_trl_batch(trainer) -> None:
     """TRL keeps the step's generated batch in `_buffered_inputs`; check it is G x NEW_TOKENS, all real tokens."""
     batch = trainer._buffered_inputs[0]
     ids, mask = batch["completion_ids"], batch["completion_mask"]
-    assert tuple(ids.shape) == (G, NEW_TOKENS) and int(mask.sum()) == G * NEW_TOKENS, \
+    assert tuple(ids.shape) == (P * G, NEW_TOKENS) and int(mask.sum()) == P * G * NEW_TOKENS, \
         f"TRL produced {tuple(ids.shape)} / {int(mask.sum())} completion tokens"
 
 
@@ -263,38 +279,57 @@ def median_breakdown(metrics: list[dict]) -> dict:
     return {k.split("/", 1)[1]: round(statistics.median(m[k] for m in metrics), 4) for k in keys}
 
 
-def measure_rss(which: str, model_dir: Path, warmup: int) -> float:
+def measure_rss(which: str, model_dir: Path, warmup: int, shape: str) -> float:
     """Peak RSS (MiB) of a fresh process running `which` alone (model load, warm-up, 2 steps)."""
-    cmd = [sys.executable, __file__, "--only", which, "--model-dir", str(model_dir), "--warmup", str(warmup)]
+    cmd = [sys.executable, __file__, "--only", which, "--model-dir", str(model_dir), "--warmup", str(warmup),
+           "--shape", shape]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
 
 
-def run_only(which: str, model_dir: Path, warmup: int) -> dict:
+def run_only(which: str, model_dir: Path, warmup: int, shape: str) -> dict:
     """The --only child: one trainer alone, for its peak RSS."""
-    row = the_prompt()
+    rows = the_rows(shape)
     with tempfile.TemporaryDirectory() as tmp:
         if which == "ours":
-            trainer = build_ours(model_dir, row, Path(tmp))
+            trainer = build_ours(model_dir, rows, Path(tmp))
             for _ in range(warmup + 2):
                 ours_step(trainer)
         else:
             cb = alternating_callback(None, warmup)
-            trainer = build_trl(model_dir, row, Path(tmp), warmup + 2, [cb])
+            trainer = build_trl(model_dir, rows, Path(tmp), warmup + 2, [cb])
             cb.trainer = trainer
             torch.set_num_threads(THREADS)
             trainer.train()
     return {"only": which, "peak_rss_mib": round(peak_rss_mib(), 1)}
 
 
-def run_bench(model_dir: Path, runs: int, warmup: int) -> dict:
+def step_flops(model_dir: Path, prompt_tokens: int) -> float:
+    """Useful matmul FLOPs of one step, the least work the step needs: each prompt through the model
+    once per pass (sampling's prefill, the reference forward, the policy's forward and backward) and
+    every completion token once per pass; the head only where a completion token is predicted.
+    Forward: 2 x weights per token (projections; the head 2 x hidden x vocab) plus attention's QK and AV
+    (4 x layers x hidden x context); backward: twice the forward."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_dir)
+    trunk = c.num_hidden_layers * (4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.intermediate_size)
+    head = c.hidden_size * c.vocab_size
+    attn = 4 * c.num_hidden_layers * c.hidden_size
+    Lp, C = prompt_tokens, NEW_TOKENS
+    prompt = P * (2 * trunk * Lp + attn * Lp * Lp / 2)                      # P prompts, causal context
+    completion = P * G * (2 * (trunk + head) * C + attn * C * (Lp + C / 2))  # every row's tokens
+    return (prompt + completion) * (1 + 1 + 3)   # sampling, reference, policy forward + backward
+
+
+def run_bench(model_dir: Path, runs: int, warmup: int, shape: str) -> dict:
     """Timed alternation in this process, then each side's peak RSS in its own process."""
-    row = the_prompt()
+    rows = the_rows(shape)
     version = trl_version()
-    result: dict = {"bench": "step", "prompts": 1, "completions": G, "new_tokens": NEW_TOKENS, "beta": BETA,
+    result: dict = {"bench": "step", "shape": shape, "prompts": P, "completions": G, "new_tokens": NEW_TOKENS, "beta": BETA,
                     "runs": runs, "warmup": warmup, "threads": THREADS, "reward": REWARD}
     with tempfile.TemporaryDirectory() as tmp:
-        ours = build_ours(model_dir, row, Path(tmp) / "ours")
+        ours = build_ours(model_dir, rows, Path(tmp) / "ours")
+        prompt_tokens = len(ours.tok.render_prompt(rows[0]["prompt"]))
         if version is None:
             log("TRL is not installed here: measuring ours alone")
             for _ in range(warmup):
@@ -304,7 +339,7 @@ def run_bench(model_dir: Path, runs: int, warmup: int) -> dict:
             trl_s, trl_gen = None, None
         else:
             cb = alternating_callback(ours, warmup)
-            trl = build_trl(model_dir, row, Path(tmp) / "trl", warmup + runs, [cb])
+            trl = build_trl(model_dir, rows, Path(tmp) / "trl", warmup + runs, [cb])
             cb.trainer = trl
             gen_seconds = time_trl_generate(trl)
             torch.set_num_threads(THREADS)   # again: nothing on the way may have changed it
@@ -317,20 +352,31 @@ def run_bench(model_dir: Path, runs: int, warmup: int) -> dict:
     result["ours_s_per_step"] = round(ours_med, 4)
     result["ours_breakdown_s"] = median_breakdown(ours_m)
     result["ours_runs_s"] = [round(t, 4) for t in ours_s]
+    if shape == "realistic":
+        import roofline
+        limits = roofline.measure()
+        flops = step_flops(model_dir, prompt_tokens)
+        result["limits"] = limits
+        result["useful_gflop_per_step"] = round(flops / 1e9, 1)
+        # against the update-shape matmul rate: most of a step's FLOPs are the forward and backward
+        result["ours_fraction_of_matmul_limit"] = round(flops / ours_med / 1e9 / limits["update_matmul_gflops"], 3)
     if trl_s is not None:
         trl_med = statistics.median(trl_s)
         result["trl_s_per_step"] = round(trl_med, 4)
         result["trl_generate_s"] = round(trl_gen, 4)
         result["trl_runs_s"] = [round(t, 4) for t in trl_s]
         result["ratio_trl_over_ours"] = round(trl_med / ours_med, 2)
+        if shape == "realistic":
+            result["trl_fraction_of_matmul_limit"] = round(
+                flops / trl_med / 1e9 / result["limits"]["update_matmul_gflops"], 3)
     log("peak RSS: one process per trainer ...")
-    result["ours_peak_rss_mib"] = measure_rss("ours", model_dir, warmup)
+    result["ours_peak_rss_mib"] = measure_rss("ours", model_dir, warmup, shape)
     if version is None:
         result["trl"] = None
         result["note"] = (f"TRL is not installed in {sys.executable}; ours measured alone. "
                           f"To compare: {TRL_INSTALL}")
     else:
-        result["trl_peak_rss_mib"] = measure_rss("trl", model_dir, warmup)
+        result["trl_peak_rss_mib"] = measure_rss("trl", model_dir, warmup, shape)
         result["trl_version"] = version
     import transformers
     result["transformers"] = transformers.__version__
@@ -342,24 +388,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="timed steps of each trainer (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps of each trainer first")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="tiny", help="the model and batch (see above)")
     ap.add_argument("--only", choices=("ours", "trl"), help=argparse.SUPPRESS)     # peak-RSS child
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)              # peak-RSS child
     args = ap.parse_args()
     if args.runs < 1 or args.warmup < 0:
         ap.error("--runs must be >= 1 and --warmup >= 0")
+    global P, G, NEW_TOKENS
+    P, G, NEW_TOKENS = (SHAPES[args.shape][k] for k in ("prompts", "G", "new_tokens"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/memory.py and bench/roofline.py
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
     stdout = sys.stdout
     # Libraries may print; keep stdout for the one JSON line.
     with contextlib.redirect_stdout(sys.stderr):
         if args.only:
-            result = run_only(args.only, args.model_dir, args.warmup)
+            result = run_only(args.only, args.model_dir, args.warmup, args.shape)
         else:
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as d:
-                model_dir = save_tiny_model(Path(d) / "tiny-llama", vocab_size=512, hidden=128, layers=4,
-                                            heads=4, intermediate=512)
-                result = run_bench(model_dir, args.runs, args.warmup)
+                if args.shape == "tiny":
+                    model_dir = save_tiny_model(Path(d) / "tiny-llama", vocab_size=512, hidden=128, layers=4,
+                                                heads=4, intermediate=512)
+                else:
+                    import memory
+                    model_dir = Path(d) / "llama"
+                    memory.build_model(model_dir, layers=8, intermediate=1024, tie=False)
+                result = run_bench(model_dir, args.runs, args.warmup, args.shape)
             result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result), file=stdout, flush=True)
 

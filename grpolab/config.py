@@ -268,6 +268,9 @@ class OptimConfig:
     #                                each chunk recomputed in the backward: no (rows, length, vocab) float32
     #                                logits are kept (README "Memory"); 0 = all positions at once; null =
     #                                32 for vocabularies of 4096 tokens or more, else 0
+    share_prompt: bool = True      # HF models: the log-prob passes (reference, old policy, update) run each
+    #                                group's prompt once for its G completions (off under gradient
+    #                                checkpointing and with more than one rank)
 
 
 @dataclass

@@ -136,3 +136,65 @@ def test_rows_that_stop_leave_the_batch_and_the_rest_decode_as_alone(tiny_gpt, t
         assert alone.completion_ids[0, :n].tolist() == out.completion_ids[r, :n].tolist()
         assert torch.allclose(alone.sampler_logprobs[0, :n], out.sampler_logprobs[r, :n], atol=1e-5)
     assert (out.completion_ids[out.completion_mask.logical_not()] == tok.pad_id).all()
+
+
+def test_chunked_prefill_samples_what_one_prefill_samples(tiny_gpt, tok, tmp_path):
+    """Prompts prefilled 3 positions at a time (left padding spread over several chunks) give the same
+    tokens and log-probs as one prefill: the built-in GPT, an HF Llama on the lean path and on HF's cache."""
+    from grpolab.models.hf import load_hf
+    from grpolab.models.tiny_hf import save_tiny_model
+    from grpolab.rollout.keys import completion_keys
+    hf, hf_tok = load_hf(str(save_tiny_model(tmp_path / "m", vocab_size=300, hidden=32, layers=2, heads=2,
+                                              intermediate=64)))
+    texts = ["Sam has 3 apples and buys 12 more.", "1+1", "What is 7 times 8, minus 5?"]
+    for name, model, t in (("gpt", tiny_gpt, tok), ("lean", hf, hf_tok), ("hf-cache", hf, hf_tok)):
+        if name == "hf-cache":
+            model.lean_decode = False
+        prompts = [t.render_prompt(x) for x in texts]
+        assert max(map(len, prompts)) - min(map(len, prompts)) > 6   # padding fills whole chunks
+        keys = completion_keys(5, torch.arange(3).repeat_interleave(2), torch.arange(2).repeat(3))
+        runs = [generate(model, prompts, num_generations=2, max_new_tokens=12, temperature=1.0, pad_id=t.pad_id,
+                         keys=keys, prefill_chunk=c) for c in (0, 3)]
+        assert torch.equal(runs[0].completion_ids, runs[1].completion_ids), name
+        assert (runs[0].sampler_logprobs - runs[1].sampler_logprobs).abs().max() <= 1e-5, name
+    hf.lean_decode = True
+
+
+def test_shared_prompt_decode_samples_what_per_row_copies_sample(monkeypatch):
+    """The lean path's shared prompt (one copy of each prompt's keys and values per group, two-part
+    attention merged by log-sum-exp) samples the same tokens with the same log-probs as per-row copies,
+    also after rows leave the batch (whole groups and single rows), with grouped-query attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpolab.models import lean_decode
+    from grpolab.models.hf import HFPolicy
+    from grpolab.rollout.keys import completion_keys
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, eos_token_id=1)
+    torch.manual_seed(0)
+    model = HFPolicy(LlamaForCausalLM(cfg).eval())
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    G = 3
+    # forced stops: one whole group (prompt 1) leaves early, single rows of the others at various steps
+    lengths = torch.tensor([9, 4, 12, 2, 3, 2, 12, 7, 5])
+
+    def force(logits, t, rows):
+        logits[:, 1] = float("-inf")
+        at = lengths[rows] == t + 1
+        logits[at] = float("-inf")
+        logits[at, 1] = 0.0
+        return logits
+    keys = completion_keys(3, torch.arange(3).repeat_interleave(G), torch.arange(G).repeat(3))
+    runs = {}
+    real = lean_decode._attend_shared
+    for name, limit in (("copies", 2**62), ("shared", 0)):
+        monkeypatch.setattr(lean_decode, "SHARE_MIN_BYTES", limit)
+        seen = []
+        monkeypatch.setattr(lean_decode, "_attend_shared", lambda *a: seen.append(1) or real(*a))
+        runs[name] = generate(model, prompts, num_generations=G, max_new_tokens=12, temperature=1.0, stop_ids=(1,),
+                              keys=keys, logits_hook=force)
+        assert bool(seen) == (name == "shared")
+    a, b = runs["copies"], runs["shared"]
+    assert torch.equal(a.completion_mask.sum(-1), lengths)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() <= 1e-5

@@ -166,3 +166,47 @@ def test_bfloat16_trains_float32_master_weights_and_resumes_exactly(tmp_path, mo
     assert strip(parts) == strip(whole)[1:]
     # the masters went on from the saved ones, not from the bfloat16 weights
     assert all(torch.equal(a, b) for a, b in zip(resumed.master.master, tr.master.master))
+
+
+def _grouped_batch(V=90, P=3, G=4, L=6, C=9):
+    """P prompts (left-padded to L, each of its own length) x G completions (right-padded, one stopped
+    after a single token), rows grouped as the engine returns them."""
+    g = torch.Generator().manual_seed(2)
+    pid = torch.randint(0, V, (P, L), generator=g).repeat_interleave(G, 0)
+    pm = torch.ones(P, L, dtype=torch.bool)
+    pm[0, :2], pm[2, :4] = False, False
+    pm = pm.repeat_interleave(G, 0)
+    cid = torch.randint(0, V, (P * G, C), generator=g)
+    cm = torch.ones(P * G, C, dtype=torch.bool)
+    cm[1, 1:], cm[5, 4:], cm[10, 7:] = False, False, False
+    return pid, pm, cid, cm
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_shared_prompt_logprobs_and_gradients_equal_the_plain_ones(models, chunk):
+    """optim.share_prompt: each group's prompt runs once (its KV cache, with autograd, serves the
+    group). Log-probs, entropies and every parameter's gradient equal the plain pass's, written out
+    independently above (full logits of each whole sequence)."""
+    from grpolab.train.logprobs import _shared_prompt_hidden
+    pid, pm, cid, cm = _grouped_batch()
+    results = []
+    for group in (0, 4):
+        m = copy.deepcopy(models["llama"]).train()
+        lp, ent = completion_logprobs(m, pid, pm, cid, cm, 0.9, with_entropy=True, entropy_grad=True, chunk=chunk,
+                                      group=group)
+        (lp.sum() + 0.1 * (ent * cm).sum()).backward()
+        results.append((lp.detach(), ent.detach(), {k: p.grad for k, p in m.named_parameters()}))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    assert _shared_prompt_hidden(models["llama"], pid, pm, cid, cm, 4) is not None   # the shared path ran
+    with torch.no_grad():
+        plain = _plain_logprobs(models["llama"], pid, pm, cid, cm, 0.9)
+    assert (lp1 - plain).abs().max() <= 1e-5 and lp1[cm].abs().min() > 0
+    assert (lp1 - lp0).abs().max() <= 1e-5 and (ent1 - ent0).abs().max() <= 1e-5
+    for k, g in g0.items():
+        assert (g1[k] - g).abs().max() <= 1e-5 * max(1.0, float(g.abs().max())), k
+    # rows that are not whole groups of one prompt take the plain path, same values
+    mixed = torch.arange(12).roll(1)
+    assert _shared_prompt_hidden(models["llama"], pid[mixed], pm[mixed], cid[mixed], cm[mixed], 4) is None
+    with torch.no_grad():
+        got = completion_logprobs(models["llama"], pid[mixed], pm[mixed], cid[mixed], cm[mixed], 0.9, group=4)
+    assert (got - plain[mixed]).abs().max() <= 1e-5

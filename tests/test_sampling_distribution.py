@@ -120,3 +120,33 @@ def test_keyed_completions_do_not_depend_on_the_batch(tiny_gpt, tok):
     other = generate(tiny_gpt, prompts, keys=completion_keys(8, draws.repeat_interleave(G),
                                                               torch.arange(G).repeat(6)), **kw)
     assert not torch.equal(other.completion_ids, whole.completion_ids)
+
+
+def test_blocked_cdf_inversion_draws_the_exact_distribution_and_matches_one_cumulative_sum():
+    """Large vocabularies invert the CDF in two levels (a block, then a token in it). Over a 1,000-token
+    distribution in blocks of 64 (the last block short) with whole blocks and scattered tokens at zero
+    probability: frequencies match, zeros are never drawn, and each uniform picks the token the plain
+    single cumulative sum picks."""
+    from grpolab.rollout.sampling import draw
+    g = torch.Generator().manual_seed(0)
+    V = 1000
+    w = torch.rand(V, generator=g, dtype=torch.float64) ** 4
+    w[128:192] = 0.0          # a whole block
+    w[::7] = 0.0              # scattered zeros, in the short last block too
+    w[990:] = 0.0
+    w[999] = 0.5              # the very last token is likely
+    probs = (w / w.sum()).float()
+    u = torch.rand(N, 1, generator=g, dtype=torch.float64)
+    blocked = draw(probs.expand(N, V), None, u, block=64)
+    freq = torch.bincount(blocked, minlength=V).double().div(N).tolist()
+    _check(freq, probs.double().tolist())
+
+    # the plain method, written out: first index whose float64 running sum exceeds u * total
+    cdf = probs.double().cumsum(0)
+    plain = torch.searchsorted(cdf, (u * cdf[-1]).squeeze(1), right=True)
+    assert (blocked == plain).double().mean() > 0.999   # only a boundary within float rounding may differ
+    assert probs[blocked].min() > 0
+    # the edges of the unit interval: u = 0 gives the first token of nonzero probability
+    edge = draw(probs[None].expand(2, V), None, torch.tensor([[0.0], [1.0 - 2.0 ** -53]], dtype=torch.float64),
+                block=64)
+    assert edge.tolist() == [int((probs > 0).nonzero()[0]), 999]

@@ -145,6 +145,18 @@ class HFPolicy(nn.Module):
         """The transformers model itself (under a peft wrapper, the base model with its adapters)."""
         return self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
 
+    def prefix_cache(self) -> HFCache | None:
+        """An empty HF cache that autograd can flow through, for running a group's shared prompt once in
+        the log-prob passes (train/logprobs.py); None where a cache may drop keys (sliding-window layers)
+        or the logits are not a plain head over hidden states."""
+        from transformers import DynamicCache
+        if not self.has_plain_head:
+            return None
+        past = DynamicCache(config=self.causal_lm().config)
+        if any(type(layer).__name__ != "DynamicLayer" for layer in getattr(past, "layers", [])):
+            return None
+        return HFCache(past)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits from `forward(..., hidden=True)`'s output."""
         return self.causal_lm().get_output_embeddings()(h)
@@ -153,7 +165,8 @@ class HFPolicy(nn.Module):
                 cache: HFCache | LeanCache | None = None, logits_to_keep: int = 0,
                 hidden: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V), or of the last `logits_to_keep` positions. Semantics as `GPT.forward`.
-        With `hidden` (models with `has_plain_head`, no cache), the decoder's last hidden states instead.
+        With `hidden` (models with `has_plain_head`), the decoder's last hidden states instead (with an
+        `HFCache`: through it, e.g. from `prefix_cache`).
         `segments` (packed sequences, no cache): positions restart at each segment and a 4-D mask keeps
         each segment to itself."""
         if isinstance(cache, LeanCache):
@@ -165,7 +178,7 @@ class HFPolicy(nn.Module):
         pos = (start[:, None] + valid.cumsum(-1) - 1).clamp(min=0)
         if segments is not None:
             valid, pos = _packed_mask_and_positions(key_valid, segments)
-        if hidden:
+        if hidden and cache is None:
             h = self.causal_lm().base_model(input_ids=idx, attention_mask=valid, position_ids=pos,
                                               use_cache=False).last_hidden_state
             return h[:, -logits_to_keep:] if logits_to_keep else h
@@ -175,6 +188,12 @@ class HFPolicy(nn.Module):
             return out.logits
         cache.mask = valid if cache.mask is None else torch.cat([cache.mask, valid], dim=1)
         cache.count = start + valid.sum(-1)
+        if hidden:   # hidden states through the cache (a shared prompt's keys and values, with autograd)
+            out = self.causal_lm().base_model(input_ids=idx, attention_mask=cache.mask, position_ids=pos,
+                                              past_key_values=cache.past, use_cache=True)
+            cache.past = out.past_key_values
+            h = out.last_hidden_state
+            return h[:, -logits_to_keep:] if logits_to_keep else h
         out = self.hf(input_ids=idx, attention_mask=cache.mask, position_ids=pos, past_key_values=cache.past,
                       use_cache=True, logits_to_keep=logits_to_keep)
         cache.past = out.past_key_values

@@ -121,9 +121,29 @@ def _linear_residual(x: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, b: torc
     return out if b is None else out.add_(b)
 
 
+# share_prompt(): keep one copy of a group's prompt keys and values when that saves at least this
+# many bytes per layer. Measured (docs/benchmarks.md, round 3): at 64 rows x 128 prompt tokens x 512
+# wide (29 MB per layer saved) the two-part attention is faster; at the tiny bench's 64 rows x ~50
+# tokens x 128 wide (~2 MB) the per-row copy wins, the prompt being cache-resident anyway.
+SHARE_MIN_BYTES = 8 * 2**20
+
+
+class _Prefix:
+    """A shared prompt: each group's prompt keys/values once, for the G rows decoding from it."""
+
+    def __init__(self, kv: torch.Tensor, bias: torch.Tensor, group: int, slots: torch.Tensor | None) -> None:
+        self.kv = kv          # (layers, groups, 2KV, prompt_len, D)
+        self.bias = bias      # (groups, 1, 1, prompt_len) additive mask: 0 real, -inf padding
+        self.group = group    # G rows per group
+        self.slots = slots    # (B,) each row's index in groups x G; None: row r is slot r (all rows present)
+
+
 class LeanCache:
     """Preallocated K/V for every layer (keys in heads [0, KV), values in [KV, 2KV) so one copy
-    writes both), the fused weights of this rollout, and per-row positions."""
+    writes both), the fused weights of this rollout, and per-row positions.
+
+    After `share_prompt(G)` the prompt's keys and values are kept once per group (`prefix`) and `kv`
+    holds the completions only; a decode step attends to both and merges the two softmaxes."""
 
     def __init__(self, decoder: "LeanDecoder", batch: int, max_len: int) -> None:
         d = decoder
@@ -133,6 +153,7 @@ class LeanCache:
         self.bias = torch.full((batch, max_len), float("-inf"), dtype=d.dtype, device=d.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=d.device)  # real tokens seen per row
         self.pos, self.max_len, self.decoder = 0, max_len, decoder
+        self.prefix: _Prefix | None = None
 
     def repeat_interleave(self, n: int) -> "LeanCache":
         """Each row n times (a prompt prefilled once, shared by its n samples)."""
@@ -140,15 +161,78 @@ class LeanCache:
         out.kv = self.kv.repeat_interleave(n, dim=1)
         out.bias = self.bias.repeat_interleave(n, dim=0)
         out.count = self.count.repeat_interleave(n, dim=0)
-        out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
+        out.pos, out.max_len, out.decoder, out.prefix = self.pos, self.max_len, self.decoder, None
+        return out
+
+    def share_prompt(self, n: int) -> "LeanCache":
+        """Each row n times for decoding, like `repeat_interleave`, but where it pays (a CPU decode,
+        >= SHARE_MIN_BYTES of prompt keys and values saved per layer) the prompts' keys and values
+        stay one copy per prompt and only the completions get per-row columns."""
+        d, L = self.decoder, self.pos
+        saved = (n - 1) * self.kv.size(1) * self.kv.size(2) * L * d.head_dim * self.kv.element_size()
+        if n < 2 or self.kv.device.type != "cpu" or saved < SHARE_MIN_BYTES or self.prefix is not None:
+            return self.repeat_interleave(n)
+        B = self.kv.size(1) * n
+        out = LeanCache(d, B, self.max_len - L)   # completion columns only
+        out.prefix = _Prefix(self.kv[:, :, :, :L].contiguous(), self.bias[:, None, None, :L].contiguous(), n, None)
+        out.count = self.count.repeat_interleave(n, dim=0)
         return out
 
     def select(self, rows: torch.Tensor) -> "LeanCache":
         """The cache of `rows` (indices, e.g. the rows still decoding), same columns."""
         out = LeanCache.__new__(LeanCache)
         out.kv, out.bias, out.count = self.kv[:, rows], self.bias[rows], self.count[rows]
-        out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
+        out.pos, out.max_len, out.decoder, out.prefix = self.pos, self.max_len, self.decoder, self.prefix
+        if self.prefix is not None:   # the rows' slots; groups with no row left are dropped
+            pre = self.prefix
+            G = pre.group
+            slots = rows if pre.slots is None else pre.slots[rows]
+            groups = slots // G
+            alive = torch.unique(groups)   # sorted
+            kv, bias = pre.kv, pre.bias
+            if alive.numel() < kv.size(1):
+                kv, bias = kv[:, alive], bias[alive]
+                slots = torch.searchsorted(alive, groups) * G + slots % G
+            whole = slots.numel() == kv.size(1) * G and bool((slots == torch.arange(slots.numel())).all())
+            out.prefix = _Prefix(kv, bias, G, None if whole else slots)
         return out
+
+
+def _flash(q, k, v, mask, scale):
+    """torch's CPU flash attention with its log-sum-exp: (out (B, h, T, D), lse (B, h, T))."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scale)
+    return out, lse
+
+
+def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, pre: _Prefix,
+                   layer: int, scale: float) -> torch.Tensor:
+    """One decode token per row attending to its group's shared prompt and its own completion.
+
+    q (B, H, 1, D); k, v (B, KV, t, D) the completion so far; mask (B, 1, 1, t). The query heads that
+    share a key head are folded into the query axis (GQA), and each group's rows form one block of
+    queries against the prompt's keys, read once per group instead of once per row. The two softmaxes
+    merge by their log-sum-exps: softmax over [prompt | completion] = the parts' outputs weighted by
+    exp(lse_part - lse_total).
+    """
+    B, H, _, D = q.shape
+    KV = k.size(1)
+    r = H // KV
+    qf = q.reshape(B, KV, r, D)
+    oc, lc = _flash(qf, k, v, mask, scale)
+    G, n = pre.group, pre.kv.size(1)
+    qs = qf if pre.slots is None else qf.new_zeros(n * G, KV, r, D).index_copy_(0, pre.slots, qf)
+    qg = qs.view(n, G, KV, r, D).transpose(1, 2).reshape(n, KV, G * r, D)
+    kv = pre.kv[layer]
+    op, lp = _flash(qg, kv[:, :KV], kv[:, KV:], pre.bias, scale)
+    op = op.reshape(n, KV, G, r, D).transpose(1, 2).reshape(n * G, KV, r, D)
+    lp = lp.reshape(n, KV, G, r).transpose(1, 2).reshape(n * G, KV, r)
+    if pre.slots is not None:
+        op, lp = op[pre.slots], lp[pre.slots]
+    m = torch.maximum(lp, lc)
+    wp, wc = (lp - m).exp_().unsqueeze_(-1), (lc - m).exp_().unsqueeze_(-1)
+    y = (op * wp).add_(oc * wc).div_(wp + wc)
+    return y.view(B, H, 1, D)
 
 
 class LeanDecoder:
@@ -200,6 +284,8 @@ class LeanDecoder:
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
         # positions as HF computes them from the attention mask: the count of real tokens before
+        if cache.prefix is not None and (T != 1 or key_valid is not None):
+            raise RuntimeError("a shared-prompt LeanCache decodes one token per row at a time")
         if key_valid is None and T == 1:   # decode: one real token per row
             cache.bias[:, start] = 0.0
             cos, sin = self._rope(cache.count, B, 1)
@@ -230,8 +316,11 @@ class LeanDecoder:
                 cache.kv[i, :, :KV, start:end] = rotate(k, cos, sin)
                 cache.kv[i, :, KV:, start:end] = qkv[:, H + KV:]
             kv = cache.kv[i, :, :, :end]
-            y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
-                                               enable_gqa=KV != H)
+            if cache.prefix is not None:
+                y = _attend_shared(q, kv[:, :KV], kv[:, KV:], mask, cache.prefix, i, L.scaling)
+            else:
+                y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
+                                                   enable_gqa=KV != H)
             x = _linear_residual(x, y.transpose(1, 2).reshape(B * T, H * D), L.o_wt, L.o_b)
             gate, up = L.gate_up(x).chunk(2, dim=-1)
             x = _linear_residual(x, F.silu(gate) * up, L.down_wt, L.down_b)

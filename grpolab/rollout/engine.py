@@ -18,6 +18,11 @@ from .keys import token_uniforms
 from .sampling import sample_next
 
 
+# prompts are prefilled this many positions at a time: the prefill's attention scores and activations
+# then stay (rows x PREFILL_CHUNK x ...) however long the prompts are
+PREFILL_CHUNK = 512
+
+
 class NonFiniteLogits(RuntimeError):
     """The model produced NaN/inf logits while sampling (its weights have diverged)."""
 
@@ -55,7 +60,7 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,
              generator: torch.Generator | None = None, keys: torch.Tensor | None = None,
-             tools=None, logits_hook=None) -> Generation:
+             tools=None, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
@@ -67,6 +72,7 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     `logits_hook(logits, t, rows) -> logits`: called before each token is sampled, with the logits (R, V)
     of the R rows still decoding, the token index t and `rows` (R,), those rows' indices among the
     B outputs (a logits processor; bench/rollout.py forces each row's stop length with it).
+    `prefill_chunk`: prompt positions per prefill forward (0: the whole prompt in one); the same values.
     """
     if logits_hook is not None and tools is not None:
         raise ValueError("logits_hook is not supported together with tools")
@@ -79,13 +85,13 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
                                     stop_ids, pad_id, generator, keys, tools)
         else:
             out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
-                          stop_ids, pad_id, generator, keys, logits_hook)
+                          stop_ids, pad_id, generator, keys, logits_hook, prefill_chunk)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
 
 
 def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
-            generator, keys, logits_hook=None) -> Generation:
+            generator, keys, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK) -> Generation:
     device = next(model.parameters()).device
     G = num_generations
     keys = keys.to(device) if keys is not None else None
@@ -93,8 +99,11 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     P = p_ids.size(1)
     cache = model.new_cache(len(prompts), P + max_new_tokens)
-    logits = model(p_ids, key_valid=p_mask, cache=cache, logits_to_keep=1)[:, -1]
-    cache = cache.repeat_interleave(G) if G > 1 else cache
+    step = prefill_chunk if prefill_chunk > 0 else P
+    for i in range(0, P, step):   # in chunks: long prompts never build (rows x P x P) attention scores
+        logits = model(p_ids[:, i:i + step], key_valid=p_mask[:, i:i + step], cache=cache, logits_to_keep=1)[:, -1]
+    if G > 1:   # the lean HF path may keep one copy of each prompt's keys and values for its G rows
+        cache = cache.share_prompt(G) if hasattr(cache, "share_prompt") else cache.repeat_interleave(G)
     logits = logits.repeat_interleave(G, dim=0)
     B = logits.size(0)
 

@@ -126,6 +126,10 @@ class GRPOTrainer:
         # train.strategy=fsdp: policy and reference sharded over the ranks (sharding.py); the optimizer
         # is built on the shards
         self.sharded = cfg.train.strategy == "fsdp" and self.world.size > 1
+        # a group's prompt once per log-prob pass: two forwards per backward, which DDP and FSDP do not
+        # allow, and a KV cache, which HF turns off under gradient checkpointing
+        self.share_group = (cfg.rollout.num_generations if cfg.optim.share_prompt and self.world.size == 1
+                            and not cfg.model.gradient_checkpointing else 0)
         if self.sharded:
             sharding.shard(model)
             if self.ref is not None:
@@ -377,7 +381,8 @@ class GRPOTrainer:
     def _logprobs(self, model, g, sl: slice, **kw):
         return completion_logprobs(model, g.prompt_ids[sl], g.prompt_mask[sl], g.completion_ids[sl],
                                    g.completion_mask[sl], self.cfg.rollout.temperature,
-                                   chunk=self.logprob_chunk, context_mask=g.context_mask[sl], **kw)
+                                   chunk=self.logprob_chunk, context_mask=g.context_mask[sl], group=self.share_group,
+                                   **kw)
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""

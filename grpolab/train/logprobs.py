@@ -25,7 +25,7 @@ def logprob_chunk(setting: int | None, vocab_size: int) -> int:
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
-                        chunk: int = 0, context_mask: torch.Tensor | None = None):
+                        chunk: int = 0, context_mask: torch.Tensor | None = None, group: int = 0):
     """log softmax(logits / T) of each completion token, (B, C); 0 at masked positions.
 
     context_mask (B, C): the completion tokens the model attends to, when more than completion_mask's
@@ -41,6 +41,12 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     backward (torch.utils.checkpoint) instead of kept. So no (B, C, V) float32 tensor lives
     longer than one chunk: peak memory stops growing with vocabulary x completion length. The
     values are the same, position by position.
+
+    group > 1 (optim.share_prompt): rows come in groups of `group` with the same prompt (a rollout's G
+    samples). Where the model offers `prefix_cache` (HF models with a plain head), each group's prompt
+    runs once and its keys and values (with autograd) serve the group's completions: the same function,
+    with the prompt's share of the work divided by `group`. Rows that are not such groups (a micro-batch
+    cutting a group, a filtered batch) take the plain path; the values agree to float rounding.
     """
     # Drop columns that are padding in every row (prompts are left-padded, completions right-padded),
     # so a micro-batch of short sequences costs what its own lengths cost. Positions come from the
@@ -57,9 +63,14 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     valid = torch.cat([prompt_mask, context_mask[:, :last]], dim=1)
     C = completion_ids.size(1)
     want_grad = torch.is_grad_enabled()
-    if chunk > 0 and getattr(model, "has_plain_head", True) and hasattr(model, "head"):
-        # the last C positions of ids[:, :-1] are P-1 .. P+C-2: exactly the ones that predict the completion
-        h = model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C, hidden=True)
+    h = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, valid[:, prompt_ids.size(1):], group)
+    if h is not None and chunk <= 0:   # one pass through the head
+        logp, entropy = _score(model.head, h, completion_ids, temperature=temperature, with_entropy=with_entropy,
+                               entropy_grad=entropy_grad)
+    elif chunk > 0 and getattr(model, "has_plain_head", True) and hasattr(model, "head"):
+        if h is None:
+            # the last C positions of ids[:, :-1] are P-1 .. P+C-2: exactly the ones that predict the completion
+            h = model(ids[:, :-1], key_valid=valid[:, :-1], logits_to_keep=C, hidden=True)
         parts = []
         for i in range(0, C, chunk):
             args = (h[:, i:i + chunk], completion_ids[:, i:i + chunk])
@@ -76,6 +87,30 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     if not with_entropy:
         return logp
     return logp, pad_to_width(entropy, C_full, 0.0)
+
+
+def _shared_prompt_hidden(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                          completion_valid: torch.Tensor, group: int) -> torch.Tensor | None:
+    """Hidden states (B, C, H) predicting each completion token, each group's prompt run once; None when
+    the rows are not groups of `group` identical prompts or the model cannot share a prompt."""
+    B = prompt_ids.size(0)
+    if group <= 1 or B % group or not hasattr(model, "prefix_cache"):
+        return None
+    firsts, firsts_mask = prompt_ids[::group], prompt_mask[::group]
+    if not (torch.equal(prompt_ids, firsts.repeat_interleave(group, 0))
+            and torch.equal(prompt_mask, firsts_mask.repeat_interleave(group, 0))):
+        return None
+    cache = model.prefix_cache()
+    if cache is None:
+        return None
+    # the prompt's last position predicts completion token 0; completion token t-1 predicts token t
+    last = model(firsts, key_valid=firsts_mask, cache=cache, logits_to_keep=1, hidden=True)
+    h = last.repeat_interleave(group, 0)
+    if completion_ids.size(1) > 1:
+        cache = cache.repeat_interleave(group)
+        rest = model(completion_ids[:, :-1], key_valid=completion_valid[:, :-1], cache=cache, hidden=True)
+        h = torch.cat([h, rest], dim=1)
+    return h
 
 
 def _score(head, h: torch.Tensor, ids: torch.Tensor, *, temperature: float, with_entropy: bool,

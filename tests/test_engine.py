@@ -198,3 +198,23 @@ def test_shared_prompt_decode_samples_what_per_row_copies_sample(monkeypatch):
     assert torch.equal(a.completion_mask.sum(-1), lengths)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() <= 1e-5
+
+
+def test_prompt_keys_are_shared_only_where_it_saves_enough_bytes():
+    """share_prompt's default rule (lean_decode.SHARE_MIN_BYTES): 8 prompts x 128 tokens x 8 samples of
+    a 512-wide model share (29 MiB per layer saved); the same with 16-token prompts (3.7 MiB) copy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpolab.models.hf import HFPolicy
+    cfg = LlamaConfig(vocab_size=64, hidden_size=512, num_hidden_layers=1, num_attention_heads=8,
+                      num_key_value_heads=8, intermediate_size=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = HFPolicy(LlamaForCausalLM(cfg).eval())
+    for width, shared in ((128, True), (16, False)):
+        with torch.inference_mode():
+            cache = model.new_cache(8, width + 4)
+            model(torch.randint(0, 64, (8, width)), key_valid=torch.ones(8, width, dtype=torch.bool), cache=cache)
+            out = cache.share_prompt(8)
+        assert (out.prefix is not None) == shared, width
+        assert out.count.tolist() == [width] * 64
+        assert out.kv.size(1) == 64 and out.kv.size(3) == (4 if shared else width + 4)

@@ -123,8 +123,8 @@ def _linear_residual(x: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, b: torc
 
 # share_prompt(): keep one copy of a group's prompt keys and values when that saves at least this
 # many bytes per layer. Measured (docs/benchmarks.md, round 3): at 64 rows x 128 prompt tokens x 512
-# wide (29 MB per layer saved) the two-part attention is faster; at the tiny bench's 64 rows x ~50
-# tokens x 128 wide (~2 MB) the per-row copy wins, the prompt being cache-resident anyway.
+# wide (28 MiB per layer saved) the two-part attention is faster; at the tiny bench's 16 prompts x 4 rows x
+# 22 tokens x 128 wide (1 MiB) the per-row copy wins, the prompt being cache-resident anyway.
 SHARE_MIN_BYTES = 8 * 2**20
 
 

@@ -200,9 +200,8 @@ class LeanCache:
 
 def _flash(q, k, v, mask, scale):
     """torch's CPU flash attention with its log-sum-exp: (out (B, h, T, D), lse (B, h, T))."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=scale)
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                      scale=scale)
 
 
 def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, pre: _Prefix,
@@ -283,9 +282,9 @@ class LeanDecoder:
         start, end = cache.pos, cache.pos + T
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache of {cache.max_len}")
-        # positions as HF computes them from the attention mask: the count of real tokens before
         if cache.prefix is not None and (T != 1 or key_valid is not None):
             raise RuntimeError("a shared-prompt LeanCache decodes one token per row at a time")
+        # positions as HF computes them from the attention mask: the count of real tokens before
         if key_valid is None and T == 1:   # decode: one real token per row
             cache.bias[:, start] = 0.0
             cos, sin = self._rope(cache.count, B, 1)

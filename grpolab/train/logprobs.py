@@ -63,7 +63,7 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     valid = torch.cat([prompt_mask, context_mask[:, :last]], dim=1)
     C = completion_ids.size(1)
     want_grad = torch.is_grad_enabled()
-    h = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, valid[:, prompt_ids.size(1):], group)
+    h = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, context_mask[:, :last], group)
     if h is not None and chunk <= 0:   # one pass through the head
         logp, entropy = _score(model.head, h, completion_ids, temperature=temperature, with_entropy=with_entropy,
                                entropy_grad=entropy_grad)

@@ -1,4 +1,4 @@
-"""Command line: grpolab demo | train | sft | dpo | distill | sample | pipeline | eval | export | report |
+"""Command line: grpolab demo | train | sft | dpo | rm | distill | sample | pipeline | eval | export | report |
 serve | generate | tiny-model. Thin: parse, build the config, call the job."""
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, what in (("sft", "supervised fine-tuning on prompt/completion rows or conversations"),
                        ("dpo", "direct preference optimisation on prompt/chosen/rejected pairs"),
+                       ("rm", "train a reward model (Bradley-Terry) on prompt/chosen/rejected pairs; "
+                              "use it as reward rm:<checkpoint>"),
                        ("distill", "distil distill.teacher into the model (logits or on-policy)")):
         j = sub.add_parser(name, help=what)
         j.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
@@ -48,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: the run's config.yaml when CHECKPOINT is a run's checkpoints/step_N)")
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
-    pl = sub.add_parser("pipeline", help="run a config's stages (sft, grpo, sample, dpo, distill) one after another")
+    pl = sub.add_parser("pipeline", help="run a config's stages (sft, grpo, sample, dpo, rm, distill) one after another")
     pl.add_argument("config", help="YAML config with a `stages:` list")
     pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied to every stage")
 
@@ -212,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.run_demo(load_config(args.config, overrides))
         elif args.command == "train":
             pipeline.run_train(load_config(*_config_and_overrides(args)))
-        elif args.command in ("sft", "dpo", "distill"):
+        elif args.command in ("sft", "dpo", "rm", "distill"):
             from . import offline
             config_path, overrides = _config_and_overrides(args)
-            job = {"sft": offline.run_sft, "dpo": offline.run_dpo, "distill": offline.run_distill}[args.command]
+            job = {"sft": offline.run_sft, "dpo": offline.run_dpo, "rm": offline.run_rm,
+                   "distill": offline.run_distill}[args.command]
             job(load_config(config_path, overrides))
         elif args.command == "sample":
             from .rejection import run_sample

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,27 @@ class DPOConfig:
     lr: float = 1e-4               # peak learning rate (AdamW, betas 0.9/0.95)
     lr_schedule: str = "linear"    # linear | cosine | constant (decay to 0 at the last step)
     warmup_steps: int = 5          # linear warmup steps
+    weight_decay: float = 0.0      # AdamW weight decay
+    max_grad_norm: float = 1.0     # gradient clipping; 0 = off
+
+
+@dataclass
+class RMConfig:
+    pairs: str | None = None       # preference rows (prompt, chosen, rejected; an optional `margin` column), as
+    #                                dpo.pairs takes them, e.g. `grpolab sample CHECKPOINT --pairs`'s file
+    test_pairs: str | None = None  # held-out pairs for eval/accuracy; null = hold out rm.eval_size of rm.pairs
+    eval_size: int = 200           # pairs held out of rm.pairs (seeded draw) when rm.test_pairs is null; 0 = none
+    margin: float = 0.0            # Bradley-Terry margin for rows without a `margin` column: the loss is
+    #                                -log sigmoid(r_chosen - r_rejected - margin)
+    center_rewards_coefficient: float = 0.0  # + coef * (r_chosen + r_rejected)^2: keeps scores centred on 0
+    #                                (TRL's name; 0.01 is the usual value; 0 = off)
+    steps: int = 300               # optimizer steps
+    epochs: int = 0                # > 0: that many passes over the pairs instead of rm.steps
+    batch_size: int = 32           # pairs per optimizer step
+    micro_batch_size: int = 0      # pairs per forward/backward; 0 = the whole batch
+    lr: float = 3e-4               # peak learning rate (AdamW, betas 0.9/0.95)
+    lr_schedule: str = "linear"    # linear | cosine | constant (decay to 0 at the last step)
+    warmup_steps: int = 10         # linear warmup steps
     weight_decay: float = 0.0      # AdamW weight decay
     max_grad_norm: float = 1.0     # gradient clipping; 0 = off
 
@@ -192,12 +214,45 @@ class CodeExecConfig:
 
 
 @dataclass
+class JudgeConfig:
+    base_url: str = ""             # the judge's OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1 (`grpolab serve`,
+    #                                vLLM, or a hosted API)
+    model: str = ""                # the model name the server expects
+    api_key_env: str | None = None # name of the environment variable holding the API key (the key itself never goes
+    #                                in a config: config.yaml is saved with the run); null = no key
+    system: str | None = None      # system message sent before the template
+    template: str | None = None    # the user message, with {question} {completion} {reference} {rubric} {examples}
+    #                                {min} {max} {verdicts} filled in (absent ones empty); null = a built-in grading prompt
+    parser: str = "number"         # number: the score is a number within score_range, mapped to [0, 1] |
+    #                                verdict: a word from verdicts, best first, mapped evenly from 1 to 0
+    pattern: str | None = None     # regex whose first group is the score or verdict; null = the answer's last number
+    #                                (number) or last verdict word (verdict)
+    score_range: list = field(default_factory=lambda: [0, 10])  # number parser: lowest and highest score;
+    #                                others count as unparsed
+    verdicts: list = field(default_factory=lambda: ["correct", "incorrect"])  # verdict parser: words, best first
+    max_tokens: int = 256          # the judge's answer length cap
+    temperature: float = 0.0       # the judge's sampling temperature (0 = greedy: the same answer on a rerun)
+    concurrency: int = 8           # requests in flight at once
+    timeout: float = 60.0          # seconds one request may take
+    max_retries: int = 3           # retries of a request that failed (connection, timeout, 429, 5xx), waiting
+    #                                backoff * 2^i seconds before retry i; then the sample's reward is None
+    backoff: float = 1.0           # seconds before the first retry
+    cache: bool = True             # keep answers in <train.output_dir>/judge_cache/<name>.jsonl, keyed by the whole
+    #                                request: a resumed or repeated run asks each question once
+    rubrics: str | None = None     # jsonl of {question, rubric} rows: the rubric_examples rows most similar to the
+    #                                question (TF-IDF cosine) fill {examples}
+    rubric_examples: int = 2       # rubric rows retrieved per question
+
+
+@dataclass
 class RewardConfig:
     functions: list = field(default_factory=lambda: ["gsm8k_accuracy"])  # reward specs: built-in names,
     #                                'module:fn' / 'file.py:fn' (TRL's convention, optionally 'fn(key=value)' to
     #                                call a factory), 'verl:module:fn' / 'verl:file.py:fn', 'rm:<model>
     weights: list | None = None    # one weight per function; None = all 1.0
     code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)  # the code_exec reward's sandbox (keys above)
+    judges: dict = field(default_factory=dict)  # LLM judges by name, each used as reward `judge:<name>`; keys are
+    #                                reward.judges.<name>.<key> (the reward.judges.<name> rows)
 
 
 @dataclass
@@ -317,6 +372,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -377,6 +433,9 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {dotted!r}; keys look like section.name with section one of "
                           f"{', '.join(sorted(sections))}")
     section = getattr(cfg, parts[0])
+    if parts[:2] == ["reward", "judges"]:
+        _set_judge(cfg, dotted, parts[2:], value)
+        return
     while len(parts) > 2 and dataclasses.is_dataclass(getattr(section, parts[1], None)):   # reward.code_exec.x
         section, parts = getattr(section, parts[1]), [f"{parts[0]}.{parts[1]}", *parts[2:]]
     if len(parts) != 2:
@@ -390,6 +449,32 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {dotted!r}{hint}")
     f = fields[parts[1]]
     setattr(section, parts[1], _coerce(dotted, value, getattr(section, parts[1]), str(f.type)))
+
+
+def _set_judge(cfg: Config, dotted: str, rest: list[str], value: Any) -> None:
+    """reward.judges.<name>.<key> = value (a judge is created by its first key); reward.judges: {} clears."""
+    judges = cfg.reward.judges
+    if not rest:
+        _need(value in (None, {}), f"{dotted}: give each judge's keys, e.g. reward.judges.grader.base_url=...")
+        judges.clear()
+        return
+    name = rest[0]
+    _need(bool(re.fullmatch(r"[A-Za-z0-9_-]+", name)), f"{dotted}: judge names are letters, digits, _ and -")
+    if len(rest) == 1:   # reward.judges.<name>: {} (an empty mapping flattens to nothing)
+        _need(value in (None, {}), f"{dotted}: give the judge's keys, e.g. {dotted}.base_url=...")
+        judges.setdefault(name, JudgeConfig())
+        return
+    fields = {f.name: f for f in dataclasses.fields(JudgeConfig)}
+    if len(rest) != 2 or rest[1] not in fields:
+        import difflib
+        close = difflib.get_close_matches(rest[-1], fields, n=1)
+        hint = f"; did you mean reward.judges.{name}.{close[0]}?" if close else \
+            f"; valid keys: {', '.join(fields)}"
+        raise ConfigError(f"unknown config key {dotted!r}{hint}")
+    judge = judges.setdefault(name, JudgeConfig())
+    if isinstance(judge, dict):   # set as a whole mapping through to_dict()/config_from_dict
+        judge = judges[name] = JudgeConfig(**judge)
+    setattr(judge, rest[1], _coerce(dotted, value, getattr(judge, rest[1]), str(fields[rest[1]].type)))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -508,6 +593,44 @@ def _optim_section(name: str, s) -> None:
     _need(s.max_grad_norm >= 0, f"{name}.max_grad_norm: must be >= 0 (0 = off)")
 
 
+def _judge(key: str, j: "JudgeConfig") -> None:
+    import string
+    _need(bool(j.base_url) and j.base_url.startswith(("http://", "https://")),
+          f"{key}.base_url: give the judge server's API address, e.g. http://127.0.0.1:8000/v1")
+    _need(bool(j.model), f"{key}.model: give the model name the judge server serves")
+    _need(j.api_key_env is None or bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", j.api_key_env)),
+          f"{key}.api_key_env: give the NAME of an environment variable holding the key (e.g. OPENAI_API_KEY), "
+          f"never the key itself")
+    _choice(f"{key}.parser", j.parser, ("number", "verdict"))
+    _need(len(j.score_range) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in j.score_range)
+          and j.score_range[0] < j.score_range[1], f"{key}.score_range: give [lowest, highest], e.g. [0, 10]")
+    _need(len(j.verdicts) >= 2 and all(isinstance(v, str) and v.strip() for v in j.verdicts)
+          and len(set(v.lower() for v in j.verdicts)) == len(j.verdicts),
+          f"{key}.verdicts: give at least two distinct words, best first, e.g. [correct, incorrect]")
+    if j.pattern is not None:
+        try:
+            _need(re.compile(j.pattern).groups >= 1, f"{key}.pattern: needs a group, e.g. 'Score: (\\d+)'")
+        except re.error as e:
+            raise ConfigError(f"{key}.pattern: not a valid regex ({e})") from None
+    if j.template is not None:
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(j.template) if f is not None}
+        except ValueError as e:
+            raise ConfigError(f"{key}.template: {e} (write literal braces as {{{{ and }}}})") from None
+        known = {"question", "completion", "reference", "rubric", "examples", "min", "max", "verdicts"}
+        unknown = sorted(names - known)
+        _need(not unknown, f"{key}.template: unknown field {{{(unknown or [''])[0]}}}; fields are "
+              f"{', '.join('{' + k + '}' for k in sorted(known))}")
+        _need("completion" in names, f"{key}.template: must contain {{completion}} (the answer to grade)")
+    _need(j.max_tokens >= 1, f"{key}.max_tokens: must be >= 1")
+    _need(j.temperature >= 0, f"{key}.temperature: must be >= 0")
+    _need(j.concurrency >= 1, f"{key}.concurrency: must be >= 1")
+    _need(j.timeout > 0, f"{key}.timeout: must be > 0 seconds")
+    _need(j.max_retries >= 0, f"{key}.max_retries: must be >= 0")
+    _need(j.backoff >= 0, f"{key}.backoff: must be >= 0 seconds")
+    _need(j.rubric_examples >= 0, f"{key}.rubric_examples: must be >= 0")
+
+
 def validate(cfg: Config) -> None:
     from .algorithms.advantages import ADV_ESTIMATORS
     from .algorithms.aggregate import AGG_MODES
@@ -533,7 +656,7 @@ def validate(cfg: Config) -> None:
 
     s = cfg.sft
     _need(s.steps >= 0, "sft.steps: must be >= 0 (0 skips the warm start)")
-    for name in ("sft", "dpo", "distill"):
+    for name in ("sft", "dpo", "rm", "distill"):
         _optim_section(name, getattr(cfg, name))
     _need(s.max_length >= 0, "sft.max_length: must be >= 0 (0 = the model's context)")
     _choice("sft.on_long", s.on_long, ("truncate", "drop", "error"))
@@ -545,6 +668,10 @@ def validate(cfg: Config) -> None:
     _need(p.beta > 0, "dpo.beta: must be > 0")
     _choice("dpo.loss_type", p.loss_type, DPO_LOSSES)
     _need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing: must be in [0, 0.5)")
+    rmc = cfg.rm
+    _need(rmc.eval_size >= 0, "rm.eval_size: must be >= 0 (0 = no held-out pairs)")
+    _need(math.isfinite(rmc.margin), "rm.margin: must be a finite number")
+    _need(rmc.center_rewards_coefficient >= 0, "rm.center_rewards_coefficient: must be >= 0 (0 = off)")
     di = cfg.distill
     _choice("distill.mode", di.mode, ("logits", "on_policy"))
     _choice("distill.kl", di.kl, DISTILL_KL)
@@ -595,11 +722,16 @@ def validate(cfg: Config) -> None:
               f"reward.functions: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}; or give "
               f"'package.module:function', 'path/to/file.py:function', 'verl:path/to/file.py:compute_score' "
               f"or 'rm:<model dir or hub id>'")
-        if ":" in name and not name.startswith("rm:"):
+        if name.startswith("judge:"):
+            _need(name[len("judge:"):] in w.judges, f"reward.functions: {name!r} names no judge; define "
+                  f"reward.judges.{name[len('judge:'):]} (base_url, model, ...)")
+        elif ":" in name and not name.startswith("rm:"):
             try:
                 parse_call(name[len("verl:"):] if name.startswith("verl:") else name)
             except RewardError as e:
                 raise ConfigError(f"reward.functions: {e}") from None
+    for jname, j in w.judges.items():
+        _judge(f"reward.judges.{jname}", j)
     c = w.code_exec
     _need(c.timeout > 0 and math.isfinite(c.timeout), "reward.code_exec.timeout: must be > 0 seconds")
     _need(c.memory_mb >= 64, "reward.code_exec.memory_mb: must be >= 64 (Python alone needs about 30 MB)")

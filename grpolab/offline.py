@@ -5,6 +5,7 @@ metrics.jsonl, checkpoints/step_N, eval.json, summary.json (before/after), repor
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from . import distributed
@@ -117,7 +118,7 @@ def _finish(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before:
     trainer.train()
     after = trainer.evaluate()
     write_json(run_dir / "eval.json", {k.removeprefix("eval/"): v for k, v in after.items()})
-    keys = [k for k in after if k.removeprefix("eval/") in (*EVAL_KEYS, "loss")]
+    keys = [k for k in after if k.removeprefix("eval/") in getattr(trainer, "summary_keys", (*EVAL_KEYS, "loss"))]
     # (summary "before" is empty for a fresh model)
     summary = {"job": trainer.job, "before": {k.removeprefix("eval/"): before[k] for k in keys if k in before},
                "after": {k.removeprefix("eval/"): after[k] for k in keys}, "steps": trainer.max_steps,
@@ -183,6 +184,108 @@ def _dpo(cfg: Config, console: Console, before: dict | None) -> dict:
     console.info(f"dpo: {len(pairs)} pairs, {trainer.max_steps} steps x {cfg.dpo.batch_size} pairs, "
                  f"beta {cfg.dpo.beta}, {cfg.dpo.loss_type}")
     return _finish(trainer, cfg, run_dir, ckpt, console, before)
+
+
+# ---------------------------------------------------------------- rm
+
+def rm_pairs(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(training pairs, held-out pairs): rm.test_pairs, else rm.eval_size pairs drawn from rm.pairs with
+    train.seed (the same split on every run and resume)."""
+    r = cfg.rm
+    if not r.pairs:
+        raise ConfigError("rm.pairs: give the preference rows (prompt, chosen, rejected), e.g. the file "
+                          "`grpolab sample CHECKPOINT --pairs --out pairs.jsonl` writes")
+    pairs = read_preferences(cfg, r.pairs, margin=True)
+    if r.test_pairs:
+        return pairs, read_preferences(cfg, r.test_pairs, margin=True)
+    if not r.eval_size:
+        return pairs, []
+    if r.eval_size >= len(pairs):
+        raise ConfigError(f"rm.eval_size: {r.eval_size} held-out pairs leave none of the {len(pairs)} in rm.pairs "
+                          f"to train on; lower rm.eval_size or give rm.test_pairs")
+    order = list(range(len(pairs)))
+    random.Random(cfg.train.seed).shuffle(order)
+    held = set(order[:r.eval_size])
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
+
+
+def read_preferences(cfg: Config, path: str, margin: bool = False) -> list[dict]:
+    return preference_rows(read_records(path, cfg.data.train_split, cfg.data.dataset_config), source=path,
+                           margin=margin)
+
+
+def load_rm(cfg: Config, ckpt, console: Console):
+    """The reward model to train: resumed from `ckpt`, or a score head on model.init_from (a policy
+    checkpoint: the usual start is the SFT model) / model.name_or_path (a Hugging Face model, or a
+    fresh built-in GPT); LoRA (model.lora_rank) applied."""
+    from .models import CharTokenizer, build_builtin
+    from .models.lora import lora_config
+    from .models.reward_head import BUILTIN_RM, BuiltinRewardModel, checkpoint_kind, load_builtin_rm, load_hf_rm
+    from .models.hf import DTYPES, resolve_device
+
+    m = cfg.model
+    device = str(resolve_device(_device(cfg)))
+    source = m.init_from or (None if m.name_or_path == "builtin" else m.name_or_path)
+    if ckpt is not None and checkpoint_kind(ckpt) == BUILTIN_RM:
+        console.info(f"resuming from {ckpt}")
+        return load_builtin_rm(ckpt, device)   # base and adapters together
+    if ckpt is not None and not m.lora_rank:
+        console.info(f"resuming from {ckpt}")
+        source = str(ckpt)
+    kind = checkpoint_kind(source) if source else "fresh"
+    if kind == "builtin-gpt":
+        policy, tok = load_model(source, device=device)
+        rm = BuiltinRewardModel(policy, tok)
+    elif kind == BUILTIN_RM:
+        rm = load_builtin_rm(source, device)
+    elif kind == "fresh":
+        tok = CharTokenizer()
+        rm = BuiltinRewardModel(build_builtin(m, tok), tok)
+    elif kind == "adapter":
+        raise ConfigError(f"model.init_from: {source} is a LoRA adapter; merge it first (`grpolab export "
+                          f"{source} OUT --merge`) and start the reward model from OUT")
+    else:
+        rm = load_hf_rm(source, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code)
+    rm = rm.to(device)
+    if m.lora_rank and not rm.lora:
+        rm.add_lora(lora_config(m, rm.lora_target()))
+        if ckpt is not None:   # a Hugging Face LoRA reward model resumes its adapter on the same base
+            import peft
+            from safetensors.torch import load_file
+            peft.set_peft_model_state_dict(rm.hf, load_file(str(Path(ckpt) / "adapter" / "adapter_model.safetensors")))
+            console.info(f"resuming from {ckpt}")
+    if m.gradient_checkpointing:
+        rm.set_gradient_checkpointing(True)
+    return rm
+
+
+def run_rm(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+    """Reward-model training (`grpolab rm`); returns summary.json's contents."""
+    return _run(cfg, "rm", console, lambda c: _rm(cfg, c, before))
+
+
+def _rm(cfg: Config, console: Console, before: dict | None) -> dict:
+    from .train.rm import RewardTrainer
+    pairs, test_pairs = rm_pairs(cfg)
+    if distributed.world_from_env().size > 1:
+        raise ConfigError("rm runs in one process; drop --nproc / torchrun")
+    run_dir = Path(cfg.train.output_dir)
+    write_run_config(cfg, run_dir)
+    ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
+    check_resume_job(ckpt, "rm")
+    rm = load_rm(cfg, ckpt, console)
+    trainer = RewardTrainer(cfg, rm, pairs, test_pairs=test_pairs, run_dir=run_dir, console=console)
+    trained = sum(p.numel() for p in rm.parameters() if p.requires_grad)
+    console.info(f"rm: {len(pairs)} pairs ({len(test_pairs)} held out), {trainer.max_steps} steps x "
+                 f"{cfg.rm.batch_size} pairs, {trained / 1e6:.2f}M trained parameters")
+    summary = _finish(trainer, cfg, run_dir, ckpt, console, before)
+    console.result(f"reward model: {_final(run_dir)} (use it as reward.functions=[rm:{_final(run_dir)}])")
+    return summary
+
+
+def _final(run_dir: Path) -> str:
+    from .train.checkpoint import list_checkpoints
+    return str(list_checkpoints(run_dir / "checkpoints")[-1])
 
 
 # ---------------------------------------------------------------- distill

@@ -59,6 +59,11 @@ def configure_rewards(cfg: Config, console: Console | None = None) -> None:
     # the python tool runs programs in the same sandbox
     listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec" or "python" in cfg.rollout.tools
     code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
+    judges = {n[len("judge:"):] for n in cfg.reward.functions if n.startswith("judge:")}
+    if judges:   # the judges this run asks; answers cached in the run directory
+        from .rewards import judge
+        judge.configure({n: j for n, j in cfg.reward.judges.items() if n in judges},
+                        Path(cfg.train.output_dir) / "judge_cache")
     if cfg.rollout.tools:   # a bad tool spec fails here, before any warm start
         from .rollout.tools import load_tools
         load_tools(list(cfg.rollout.tools))

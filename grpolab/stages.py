@@ -2,7 +2,7 @@
 
     train: {output_dir: runs/r1}        # shared settings: every section, for every stage
     stages:
-      - job: sft                        # sft | grpo | sample | dpo | distill
+      - job: sft                        # sft | grpo | sample | dpo | rm | distill
         sft: {steps: 300}               # the stage's own settings (win over the shared ones)
       - job: grpo
       - job: sample
@@ -11,7 +11,10 @@
 Stage n writes RUN_DIR/<n>-<job>/ and starts from the final checkpoint of the last stage before it
 that trained (model.init_from). A `sample` stage writes samples.jsonl (or pairs.jsonl with
 sample.pairs) there; the next sft stage without sft.train_path trains on the samples, the next dpo
-stage without dpo.pairs on the pairs. A finished stage leaves stage.json (its final checkpoint,
+stage without dpo.pairs on the pairs, and so does the next rm stage without rm.pairs. An rm stage
+trains a reward model (from the last trained policy, as RLHF starts it from the SFT model) and is
+not a policy: the next stages start from the policy before it, and the reward spec 'rm:' alone in
+their reward.functions means its final checkpoint. A finished stage leaves stage.json (its final checkpoint,
 output file and held-out eval). With train.resume=auto, a finished stage is skipped and the
 unfinished one resumes from its last checkpoint, so a killed pipeline ends as an uninterrupted
 one. RUN_DIR/pipeline.json and report.html show the held-out eval after every stage.
@@ -28,7 +31,7 @@ from .config import Config, ConfigError, _apply, _flatten, parse_override, read_
 from .logging.console import Console
 from .utils.files import write_json
 
-JOBS = ("sft", "grpo", "sample", "dpo", "distill")
+JOBS = ("sft", "grpo", "sample", "dpo", "rm", "distill")
 
 
 def read_stages(path: str | Path) -> tuple[dict, list[dict]]:
@@ -80,6 +83,7 @@ def run_pipeline(path: str | Path, overrides: list[str], console: Console | None
     resume = bool(stages[0][1].train.resume)
     root.mkdir(parents=True, exist_ok=True)
     last: dict | None = None         # the record of the last stage that trained (its final checkpoint, eval)
+    reward_model: str | None = None  # the last rm stage's final checkpoint ('rm:' in reward.functions)
     samples: dict[str, str] = {}     # 'samples' / 'pairs' -> the last sample stage's file
     records = []
     for n, (job, cfg) in enumerate(stages, start=1):
@@ -90,11 +94,12 @@ def run_pipeline(path: str | Path, overrides: list[str], console: Console | None
             console.result(f"stage {n}/{len(stages)} ({job}): done, skipped")
         else:
             console.result(f"\n=== stage {n}/{len(stages)}: {job} -> {run_dir}")
-            rec = _run_stage(n, job, cfg, last, samples, resume, console)
+            rec = _run_stage(n, job, cfg, last, samples, resume, console, reward_model)
             write_json(done, rec)
         records.append(rec)
         if rec.get("checkpoint"):
             last = rec
+        reward_model = rec.get("reward_model") or reward_model
         if rec.get("output"):
             samples["pairs" if rec.get("pairs") else "samples"] = rec["output"]
         write_json(root / "pipeline.json", {"stages": records})
@@ -104,7 +109,7 @@ def run_pipeline(path: str | Path, overrides: list[str], console: Console | None
 
 
 def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, resume: bool,
-               console: Console) -> dict:
+               console: Console, reward_model: str | None = None) -> dict:
     from . import offline, pipeline
     from .rejection import run_sample
 
@@ -114,6 +119,18 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
         cfg.model.init_from = model_from
     cfg.train.resume = "auto" if resume else None
     rec: dict = {"stage": n, "job": job, "dir": str(run_dir)}
+    if "rm:" in cfg.reward.functions:   # the reward model an earlier rm stage trained
+        if not reward_model:
+            raise ConfigError(f"stages[{n}] ({job}): reward 'rm:' names the last rm stage's model, and no rm stage "
+                              f"came before this one")
+        cfg.reward.functions = [f"rm:{reward_model}" if f == "rm:" else f for f in cfg.reward.functions]
+    if job == "rm":
+        if not cfg.rm.pairs:
+            if not samples.get("pairs"):
+                raise ConfigError(f"stages[{n}] (rm): no rm.pairs and no earlier sample stage with sample.pairs: true")
+            cfg.rm.pairs = samples["pairs"]
+        summary = offline.run_rm(cfg, console)
+        return {**rec, "reward_model": _final_checkpoint(run_dir), "rm_eval": summary["after"]}
     if job == "sample":
         if not model_from:
             raise ConfigError(f"stages[{n}] (sample): needs a trained model from an earlier stage")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- config-table -->", "<!-- /config-table -->"
-NESTED = {"codeexec": "reward.code_exec"}   # sections nested in another (their own dataclass)
+NESTED = {"codeexec": "reward.code_exec", "judge": "reward.judges.<name>"}   # sections nested in another
 
 
 def table() -> str:

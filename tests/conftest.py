@@ -1,4 +1,10 @@
+import contextlib
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -83,3 +89,39 @@ def gsm8k_dir(tmp_path):
         lines = [json.dumps({"question": q, "answer": a}) for q, a, _ in rows]
         (path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, *args, log=None):
+    """`grpolab serve MODEL` in a subprocess on a free port; stopped by its pid (SIGINT) at the end."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab", "serve", str(model), "--port", str(port),
+                             "--log-level", "warning", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stdout.read()}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("server not ready")
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise

@@ -75,8 +75,9 @@ def test_readme_documents_every_config_key():
                 yield from keys(value, f"{prefix}.{f.name}")
             else:
                 yield f"{prefix}.{f.name}"
-    found = list(keys(Config(), ""))
-    assert "reward.code_exec.timeout" in [k[1:] for k in found]
+    from grpolab.config import JudgeConfig
+    found = list(keys(Config(), "")) + list(keys(JudgeConfig(), ".reward.judges.<name>"))
+    assert "reward.code_exec.timeout" in [k[1:] for k in found] and "reward.judges.<name>.base_url" in [k[1:] for k in found]
     for key in found:
         assert f"`{key[1:]}`" in readme, f"{key[1:]} missing from README"
 

@@ -13,10 +13,10 @@ import torch
 from conftest import ROOT
 
 # Big enough that MKL splits products across threads (width 128, batches of 32 x ~100 tokens),
-# small enough for a test: a short warm start, three GRPO steps with a reference and two passes.
-RUN = ["model.n_layer=2", "model.n_embd=128", "sft.steps=30", "sft.batch_size=32", "sft.bare_steps=10",
+# small enough for a test: a short warm start, two GRPO steps with a reference and two passes.
+RUN = ["model.n_layer=2", "model.n_embd=128", "sft.steps=20", "sft.batch_size=32", "sft.bare_steps=10",
        "data.train_size=400", "data.test_size=8", "rollout.prompts_per_step=4", "rollout.num_generations=4",
-       "rollout.max_new_tokens=16", "reward.functions=[gsm8k_accuracy,length]", "algorithm.beta=0.04", "algorithm.num_iterations=2", "train.max_steps=3",
+       "rollout.max_new_tokens=16", "reward.functions=[gsm8k_accuracy,length]", "algorithm.beta=0.04", "algorithm.num_iterations=2", "train.max_steps=2",
        "eval.num_problems=8", "eval.k=2", "log.level=quiet"]
 
 
@@ -28,7 +28,7 @@ def _start(out):
 def _result(out):
     metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
                for line in open(out / "metrics.jsonl")]
-    weights = hashlib.sha256((out / "checkpoints" / "step_3" / "model.safetensors").read_bytes()).hexdigest()
+    weights = hashlib.sha256((out / "checkpoints" / "step_2" / "model.safetensors").read_bytes()).hexdigest()
     return metrics, weights, json.loads((out / "eval.json").read_text())
 
 
@@ -40,7 +40,7 @@ def test_same_run_alone_and_two_at_once_is_bit_identical(tmp_path):
     for p in busy:
         assert p.wait(timeout=600) == 0, p.stderr.read()
     ref = _result(tmp_path / "alone")
-    assert len(ref[0]) == 3 and all(m["kl"] > 0 for m in ref[0][1:])   # the policy moved off the reference
+    assert len(ref[0]) == 2 and ref[0][1]["kl"] > 0   # the policy moved off the reference
     for name in ("busy1", "busy2"):
         got = _result(tmp_path / name)
         assert got[0] == ref[0], name

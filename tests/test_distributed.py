@@ -136,14 +136,14 @@ def _small(out, *extra):
             "eval.k=2", f"train.output_dir={out}", *extra]
 
 
-DEMO_SMALL = ["sft.steps=20", "sft.bare_steps=0", "train.max_steps=3", "eval.num_problems=16", "eval.k=4",
+DEMO_SMALL = ["sft.steps=10", "sft.bare_steps=0", "train.max_steps=2", "eval.num_problems=16", "eval.k=4",
               "log.samples_every=1", "log.samples_per_step=64", "train.threads=1"]
 
 
 def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
-    """configs/demo.yaml for 3 steps, in one process and on 2 ranks, same seed: the same completions
+    """configs/demo.yaml for 2 steps, in one process and on 2 ranks, same seed: the same completions
     at step 1 (rank 0 holds the first 8 of the 16 prompts), and the same rewards, losses and grad
-    norms over the 3 steps."""
+    norms over the 2 steps."""
     runs = {}
     for name, extra in [("one", []), ("two", ["--nproc", "2"])]:
         out = tmp_path / name
@@ -156,7 +156,7 @@ def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
     assert [s["completion"] for s in samples["two"] if s["step"] == 1] == first and len(first) == 64
     assert len(set(first)) > 16
     metrics = {n: [json.loads(x) for x in (o / "metrics.jsonl").read_text().splitlines()] for n, o in runs.items()}
-    assert [m["step"] for m in metrics["two"]] == [1, 2, 3]          # written once, by rank 0
+    assert [m["step"] for m in metrics["two"]] == [1, 2]             # written once, by rank 0
     for a, b in zip(metrics["one"], metrics["two"]):
         for key in ("reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
                     "rewards/gsm8k_accuracy/mean"):
@@ -166,7 +166,7 @@ def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
         pytest.approx(json.loads((runs["one"] / "eval.json").read_text()), abs=1e-9)
     # rank 0's checkpoint: the weights of the 1-process run
     from grpolab.train.checkpoint import load_model
-    weights = {n: load_model(str(o / "checkpoints" / "step_3"))[0].state_dict() for n, o in runs.items()}
+    weights = {n: load_model(str(o / "checkpoints" / "step_2"))[0].state_dict() for n, o in runs.items()}
     assert max(float((weights["two"][k] - v).abs().max()) for k, v in weights["one"].items()) <= 1e-6
 
 

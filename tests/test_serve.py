@@ -5,10 +5,8 @@ decode path) and its log-probs against a plain full forward; batched and one-at-
 """
 
 import asyncio
-import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, running_server
 from grpolab.data.tasks import arithmetic
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout.engine import generate
@@ -41,42 +39,6 @@ def _builtin(block_size=512, n_embd=128, n_layer=4, seed=0) -> GPT:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("serve") / "checkpoints", 0, _builtin(), tokenizer=CharTokenizer())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(model, *args, log=None):
-    """`grpolab serve MODEL` in a subprocess on a free port; stopped by its pid (SIGINT) at the end."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab", "serve", str(model), "--port", str(port),
-                             "--log-level", "warning", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server not ready")
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
 
 
 @pytest.fixture(scope="module")

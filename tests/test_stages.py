@@ -2,6 +2,7 @@
 built-in model: run directories, exact resume, the warm start being the sft job, bad inputs."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -271,3 +272,36 @@ def test_a_diverging_sft_run_stops_with_one_line_and_no_checkpoint(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "non-finite loss" in err and "sft.lr" in err, err
     assert not (tmp_path / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------- the RLHF pipeline
+
+def test_rlhf_pipeline_trains_a_reward_model_and_rl_uses_it_from_the_policy_before_it(tmp_path):
+    """configs/rlhf_pipeline.yaml's stages, small, with pairs labelled by the length reward (a tiny
+    model is never right): sft -> sample pairs -> rm -> grpo with reward 'rm:'. The rm stage starts
+    from the SFT model and trains on the sampled pairs; GRPO starts from the SFT model, not the reward
+    model, and is rewarded by the rm stage's final checkpoint alone."""
+    from grpolab.stages import run_pipeline
+    shipped = yaml.safe_load((ROOT / "configs" / "rlhf_pipeline.yaml").read_text())
+    assert [s["job"] for s in shipped["stages"]] == ["sft", "sample", "rm", "grpo"]
+    assert shipped["stages"][3]["reward"] == {"functions": ["rm:"]}
+    conf = tmp_path / "rlhf.yaml"
+    conf.write_text(yaml.safe_dump({"reward": {"functions": ["length"]}, "stages": [
+        {"job": "sft", "sft": {"steps": 20}}, {"job": "sample", "sample": {"pairs": True, "k": 4, "num_prompts": 32}},
+        {"job": "rm", "rm": {"steps": 6, "batch_size": 8, "eval_size": 4}},
+        {"job": "grpo", "reward": {"functions": ["rm:"]}, "train": {"max_steps": 2}}]}))
+    out = tmp_path / "rlhf"
+    records = run_pipeline(conf, [*TINY, "rollout.prompts_per_step=4", "rollout.num_generations=4",
+                                  f"train.output_dir={out}"])
+    assert [r["job"] for r in records] == ["sft", "sample", "rm", "grpo"]
+    sft_ckpt, pairs = records[0]["checkpoint"], records[1]["output"]
+    rm_cfg = yaml.safe_load((out / "3-rm" / "config.yaml").read_text())
+    assert rm_cfg["model"]["init_from"] == sft_ckpt and rm_cfg["rm"]["pairs"] == pairs
+    assert records[2]["reward_model"] == str(out / "3-rm" / "checkpoints" / "step_6") and "checkpoint" not in records[2]
+    assert 0 <= records[2]["rm_eval"]["accuracy"] <= 1
+    grpo_cfg = yaml.safe_load((out / "4-grpo" / "config.yaml").read_text())
+    assert grpo_cfg["model"]["init_from"] == sft_ckpt
+    assert grpo_cfg["reward"]["functions"] == [f"rm:{records[2]['reward_model']}"]
+    metrics = [json.loads(x) for x in (out / "4-grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["rewards/rm_step_6/mean"]) and m["rewards/rm_step_6/std"] > 0 for m in metrics)
+    assert "reward model: held-out pair accuracy" in (out / "report.html").read_text()

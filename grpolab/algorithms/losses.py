@@ -199,6 +199,25 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return losses, chosen_rewards, rejected_rewards
 
 
+# ---------------------------------------------------------------------------- reward models
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
+                       center_coef: float = 0.0) -> torch.Tensor:
+    """Per-pair reward-model loss on (B,) scalar scores of the chosen and rejected completions:
+
+        -log s(r_chosen - r_rejected - margin) + center_coef * (r_chosen + r_rejected)^2
+
+    The Bradley-Terry likelihood of the preference (Ouyang et al. 2022, InstructGPT's reward model);
+    `margin` (per pair or one number) asks for a gap of at least that much (Llama 2's margin loss,
+    Touvron et al. 2023); the centering term pulls the scores' mean toward zero (Eisenstein et al.
+    2023), so a reward model's outputs stay on one scale across runs. TRL's RewardTrainer's formula.
+    """
+    losses = -torch.nn.functional.logsigmoid(chosen - rejected - margin)
+    if center_coef:
+        losses = losses + center_coef * (chosen + rejected) ** 2
+    return losses
+
+
 # ---------------------------------------------------------------------------- distillation
 
 DISTILL_KL = ("forward", "reverse")

@@ -9,6 +9,8 @@ Each side becomes an SFT row (data/supervised.py), trained on the chosen/rejecte
 
 from __future__ import annotations
 
+import math
+
 from .loading import DataError, _preview
 from .supervised import _messages, as_sft_row
 
@@ -23,8 +25,9 @@ def _side(value: object, where: str, name: str):
     return _messages(value, where, repr(name))
 
 
-def preference_rows(records: list[dict], source: str = "") -> list[dict]:
-    """Rows {'prompt', 'chosen', 'rejected'} (each text or messages), checked; DataError naming the row."""
+def preference_rows(records: list[dict], source: str = "", margin: bool = False) -> list[dict]:
+    """Rows {'prompt', 'chosen', 'rejected'} (each text or messages), checked; DataError naming the row.
+    With `margin`, a row's optional `margin` column (a finite number, or null) is kept too (reward models)."""
     where0 = f"{source}: " if source else ""
     if not records:
         raise DataError(f"{where0}no preference pairs; check the file and the split")
@@ -56,7 +59,13 @@ def preference_rows(records: list[dict], source: str = "") -> list[dict]:
                             f"and rejected (or whole chosen/rejected conversations)")
         if chosen == rejected:
             raise DataError(f"{where}: chosen and rejected are the same; drop the row")
-        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        row = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        if margin and r.get("margin") is not None:
+            m = r["margin"]
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+                raise DataError(f"{where}: 'margin' is {m!r}; give a finite number (or leave it out)")
+            row["margin"] = float(m)
+        out.append(row)
     return out
 
 

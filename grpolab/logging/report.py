@@ -515,10 +515,13 @@ def write_pipeline_report(root: str | Path) -> Path:
     for label, s in zip(labels, stages):
         ev = s.get("eval") or {}
         note = ""
+        if s.get("rm_eval"):
+            note = f"reward model: held-out pair accuracy {_fmt(s['rm_eval'].get('accuracy'))}"
         if s.get("sample"):
             st = s["sample"]
             note = f"{st.get('pairs', st.get('accepted'))} {'pairs' if s.get('pairs') else 'rows'} from {st.get('samples')} samples"
-        link = f'<a href="{_e(Path(s.get("dir", "")).name)}/report.html">{_e(label)}</a>' if s.get("checkpoint") else _e(label)
+        link = f'<a href="{_e(Path(s.get("dir", "")).name)}/report.html">{_e(label)}</a>' \
+            if s.get("checkpoint") or s.get("reward_model") else _e(label)
         rows.append([link] + [_fmt(ev.get(m)) if m in ev else "—" for m in metrics] + [_e(note)])
     table = "<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in ["stage", *metrics, "note"]) + "</tr>" + \
         "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows) + "</table>"

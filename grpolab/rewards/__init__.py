@@ -8,7 +8,8 @@ the prompts are chat message lists; the built-in rewards accept both. Async func
 
 Spec forms accepted by `get_reward`:
   - a registered name (see REWARDS), e.g. 'math_accuracy'
-  - 'rm:<local dir or hub id>': a sequence-classification reward model
+  - 'rm:<local dir or hub id>': a reward model (`grpolab rm`'s, or a sequence classifier)
+  - 'judge:<name>': an LLM judge behind an OpenAI-compatible API (reward.judges.<name>; `judge`)
   - 'package.module:function' or 'path/to/file.py:function': a user function (TRL's convention),
     optionally ending in a factory call with literal arguments: 'module:get_reward(max_len=64)'
   - 'verl:<module or file.py>:function': a verl compute_score (see `verl_style`)
@@ -70,6 +71,9 @@ def get_reward(spec: str) -> RewardFn:
     if spec.startswith("rm:"):
         from .model import reward_model
         return reward_model(spec[len("rm:"):])
+    if spec.startswith("judge:"):
+        from .judge import get_judge
+        return get_judge(spec)
     if spec.startswith("verl:"):
         from .verl_style import verl_reward
         return verl_reward(spec)
@@ -90,6 +94,8 @@ def reward_name(spec: str) -> str:
         name = spec
     elif spec.startswith("rm:"):
         name = "rm_" + re.split(r"[/\\]", spec[len("rm:"):].rstrip("/\\"))[-1]
+    elif spec.startswith("judge:"):
+        name = "judge_" + spec[len("judge:"):]
     elif ":" in spec:
         name = _spec_parts(spec)[1]
         if spec.endswith(")") and not spec.startswith("verl:"):

@@ -2,9 +2,11 @@
 
 Layout of checkpoints/step_N/:
     model.safetensors      weights
-    model_config.json      built-in GPT: architecture ({"type": "builtin-gpt", ...GPTConfig})
+    model_config.json      built-in GPT: architecture ({"type": "builtin-gpt", ...GPTConfig}); a reward
+                           model of it (`grpolab rm`): type "builtin-rm", weights with the score head
     config.json, tokenizer Hugging Face models: the `save_pretrained` layout, so
-    files, ...             `AutoModelForCausalLM.from_pretrained(step_N)` loads it
+    files, ...             `AutoModelForCausalLM.from_pretrained(step_N)` loads it (reward models:
+                           AutoModelForSequenceClassification, LoRA merged; the adapter in adapter/)
     optimizer.pt           optimizer and scheduler state (present for training checkpoints), and the
                            float32 master weights of a bfloat16/float16 model
     rng.pt                 torch and sampler RNG states
@@ -81,7 +83,9 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
     tmp.mkdir()
     full_states = full_states or {}
     full = full_states.get("model")
-    if isinstance(model, HFPolicy):
+    if hasattr(model, "save_checkpoint_files"):   # a reward model (models/reward_head.py) writes its own layout
+        model.save_checkpoint_files(tmp)
+    elif isinstance(model, HFPolicy):
         model.save(tmp, state_dict=_hf_keys(full) if full is not None else None)
         if tokenizer is not None:
             tokenizer.save(tmp)

@@ -16,7 +16,7 @@ from .data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
 from .logging.console import Console
 from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, configure_rewards, fit_prompts,
                        load_data, load_policy, setup_torch, write_run_config)
-from .train.checkpoint import find_resume_checkpoint, load_model
+from .train.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
 from .utils.files import write_json
 
 BUILTIN_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval")
@@ -245,7 +245,15 @@ def load_rm(cfg: Config, ckpt, console: Console):
         raise ConfigError(f"model.init_from: {source} is a LoRA adapter; merge it first (`grpolab export "
                           f"{source} OUT --merge`) and start the reward model from OUT")
     else:
-        rm = load_hf_rm(source, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code)
+        key = "model.init_from" if m.init_from else "model.name_or_path"
+        if source.startswith((".", "/", "~")) and not Path(source).expanduser().is_dir():
+            raise ConfigError(f"{key}: {source!r} is not a directory; give a checkpoint, a Hugging Face model "
+                              f"directory or a hub id")
+        try:
+            rm = load_hf_rm(source, dtype=DTYPES[m.dtype], trust_remote_code=m.trust_remote_code)
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot load a model and tokenizer from {source!r} "
+                              f"({(str(e).strip().splitlines() or [''])[0]})") from None
     rm = rm.to(device)
     if m.lora_rank and not rm.lora:
         rm.add_lora(lora_config(m, rm.lora_target()))
@@ -279,13 +287,9 @@ def _rm(cfg: Config, console: Console, before: dict | None) -> dict:
     console.info(f"rm: {len(pairs)} pairs ({len(test_pairs)} held out), {trainer.max_steps} steps x "
                  f"{cfg.rm.batch_size} pairs, {trained / 1e6:.2f}M trained parameters")
     summary = _finish(trainer, cfg, run_dir, ckpt, console, before)
-    console.result(f"reward model: {_final(run_dir)} (use it as reward.functions=[rm:{_final(run_dir)}])")
+    final = list_checkpoints(run_dir / "checkpoints")[-1]
+    console.result(f"reward model: {final} (use it as reward.functions=[rm:{final}])")
     return summary
-
-
-def _final(run_dir: Path) -> str:
-    from .train.checkpoint import list_checkpoints
-    return str(list_checkpoints(run_dir / "checkpoints")[-1])
 
 
 # ---------------------------------------------------------------- distill

@@ -166,3 +166,36 @@ def test_bad_pairs_stop_rm_with_one_line_naming_the_row(tmp_path, capsys, bad, m
     import re
     assert re.search(msg, err), err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_missing_starting_model_is_one_line(tmp_path, capsys):
+    path = _write(tmp_path / "pairs.jsonl", _pairs(8, 0))
+    assert main(["rm", f"rm.pairs={path}", "rm.eval_size=2", "model.init_from=./no/such/sft",
+                 f"train.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "grpolab: config error: model.init_from: './no/such/sft' is not a directory; give a checkpoint, " \
+                  "a Hugging Face model directory or a hub id"
+
+
+def test_builtin_lora_reward_model_trains_adapters_and_head_only(tmp_path):
+    from grpolab.models import GPT, CharTokenizer, GPTConfig
+    from grpolab.offline import run_rm
+    from grpolab.train.checkpoint import save_checkpoint
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    policy = save_checkpoint(tmp_path / "policy", 0, GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2,
+                                                                   n_embd=32, block_size=64)), tokenizer=tok)
+    pairs = _write(tmp_path / "pairs.jsonl", _pairs(40, 3))
+    run_rm(load_config(None, [*TINY, f"rm.pairs={pairs}", "rm.steps=4", f"model.init_from={policy}",
+                              "model.lora_rank=4", f"train.output_dir={tmp_path / 'run'}"]))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_4"
+    assert json.loads((ckpt / "model_config.json").read_text())["lora"]["r"] == 4
+    before, after = load_file(str(policy / "model.safetensors")), load_file(str(ckpt / "model.safetensors"))
+    base = {k: v for k, v in after.items() if "lora_" not in k and k.startswith("backbone.")}
+    assert base and all(torch.equal(v, before[k.removeprefix("backbone.").replace(".base_layer", "")])
+                        for k, v in base.items())   # the backbone's own weights did not move
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in after.items())   # the adapters did
+    fn = get_reward(f"rm:{ckpt}")   # loads with its adapters on
+    p = _pairs(3, 5)
+    scores = fn([x["prompt"] for x in p], [x["chosen"] for x in p])
+    assert len(set(scores)) == 3

@@ -199,3 +199,36 @@ def test_builtin_lora_reward_model_trains_adapters_and_head_only(tmp_path):
     p = _pairs(3, 5)
     scores = fn([x["prompt"] for x in p], [x["chosen"] for x in p])
     assert len(set(scores)) == 3
+
+
+def test_a_dpo_checkpoint_scores_as_its_implicit_reward(tmp_path):
+    """rm:<dpo checkpoint> = dpo.beta * (log pi(y|x) - log pi_ref(y|x)) over the completion and its stop
+    token, recomputed here from the two models' logits."""
+    from safetensors.torch import load_model as load_weights
+
+    from grpolab.models import CharTokenizer
+    from grpolab.offline import run_dpo
+    from grpolab.train.checkpoint import load_model
+    pairs = _write(tmp_path / "pairs.jsonl", _pairs(32, 4))
+    run_dpo(load_config(None, [*TINY, f"dpo.pairs={pairs}", "dpo.steps=4", "dpo.batch_size=8", "dpo.lr=3e-3",
+                               "dpo.beta=0.2", "data.train_size=20", "data.test_size=4", "eval.num_problems=4",
+                               "model.block_size=128", "eval.k=2",
+                               f"train.output_dir={tmp_path / 'dpo'}"]))
+    ckpt = tmp_path / "dpo" / "checkpoints" / "step_4"
+    fn = get_reward(f"rm:{ckpt}")
+    fresh = _pairs(3, 7)
+    got = fn([p["prompt"] for p in fresh], [p["chosen"] for p in fresh])
+    policy, _ = load_model(ckpt)
+    ref, _ = load_model(ckpt)
+    load_weights(ref, str(ckpt / "ref.safetensors"))
+    tok = CharTokenizer()
+
+    def logp(model, prompt, completion):
+        p, c = tok.render_prompt(prompt), tok.encode(completion) + [tok.eos_id]
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            lp = torch.log_softmax(model.eval()(ids)[0, :-1].float(), -1)
+        return sum(float(lp[len(p) - 1 + i, t]) for i, t in enumerate(c))
+    want = [0.2 * (logp(policy, p["prompt"], p["chosen"]) - logp(ref, p["prompt"], p["chosen"])) for p in fresh]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert max(abs(w) for w in want) > 1e-3   # the policy moved off its reference

@@ -189,3 +189,62 @@ def _architectures(source: str) -> list[str]:
     """The `architectures` a local model directory's config.json lists ([] for a hub id)."""
     p = Path(source).expanduser() / "config.json"
     return (json.loads(p.read_text()).get("architectures") or []) if p.is_file() else []
+
+
+class ImplicitRewardModel(nn.Module):
+    """The reward a DPO checkpoint implies (Rafailov et al. 2023, "your language model is secretly a
+    reward model"): r(x, y) = beta * (log pi(y|x) - log pi_ref(y|x)), summed over the completion's
+    tokens (its stop token included), exactly the quantity `grpolab dpo` trained to rank chosen above
+    rejected. The reference is the checkpoint's ref.safetensors, or under LoRA the policy with its
+    adapters off. It keeps the language model's token-level structure, which a score head has to learn."""
+
+    def __init__(self, policy, tok, ref=None, beta: float = 1.0) -> None:
+        super().__init__()
+        self.policy, self.ref, self.tok, self.beta = policy, ref, tok, beta
+        self.config = policy.config
+
+    def ids(self, prompt, completion: str) -> tuple[list[int], list[bool]]:
+        from ..data.preference import side_row
+        from ..data.supervised import encode
+        e = encode(self.tok, side_row({"prompt": prompt, "completion": completion}, "completion"))
+        return e.ids, e.loss
+
+    def forward(self, batch: list[tuple[list[int], list[bool]]]) -> torch.Tensor:
+        from ..train.logprobs import token_logprobs
+        from .lora import adapters_off
+        dev = next(self.policy.parameters()).device
+        ids, valid = pad_sequences([b[0] for b in batch], self.tok.pad_id, "right")
+        mask, _ = pad_sequences([[int(x) for x in b[1]] for b in batch], 0, "right")
+        ids, valid, mask = ids.to(dev), valid.to(dev), mask[:, 1:].to(dev).float()
+        logp = (token_logprobs(self.policy, ids, valid) * mask).sum(-1)
+        if self.ref is not None:
+            ref = (token_logprobs(self.ref, ids, valid) * mask).sum(-1)
+        else:
+            with adapters_off(self.policy):
+                ref = (token_logprobs(self.policy, ids, valid) * mask).sum(-1)
+        return self.beta * (logp - ref)
+
+
+def load_implicit_rm(path: str | Path, device: str = "cpu") -> ImplicitRewardModel:
+    """The implicit reward model of a `grpolab dpo` checkpoint; beta from its run's config.yaml."""
+    import yaml
+
+    from ..train.checkpoint import load_model
+    from .hf import HFPolicy
+    from .lora import has_lora
+    p = Path(path)
+    policy, tok = load_model(p, device=device)
+    ref = None
+    if not has_lora(policy):
+        ref, _ = load_model(p, device=device)
+        target = ref.hf if isinstance(ref, HFPolicy) else ref
+        from safetensors.torch import load_model as load_weights   # one name per tied weight, as saved
+        load_weights(target, str(p / "ref.safetensors"))
+    run_cfg = p.parent.parent / "config.yaml"
+    beta = (yaml.safe_load(run_cfg.read_text()) or {}).get("dpo", {}).get("beta", 1.0) if run_cfg.is_file() else 1.0
+    return ImplicitRewardModel(policy.eval(), tok, ref.eval() if ref is not None else None, float(beta)).eval()
+
+
+def is_dpo_checkpoint(path: str | Path) -> bool:
+    p = Path(path).expanduser() / "trainer_state.json"
+    return p.is_file() and json.loads(p.read_text()).get("job") == "dpo"

@@ -1,8 +1,9 @@
 """Reward models: spec 'rm:<local dir or hub id>' scores prompt+completion with a reward model.
 
-Two kinds load (models/reward_head.py): a `grpolab rm` checkpoint of the built-in GPT (a score head
-on its last hidden state), or a Hugging Face AutoModelForSequenceClassification (logits[:, 0] on the
-joined text; `grpolab rm` writes one for HF backbones). Chat-message prompts are rendered with the
+Three kinds load (models/reward_head.py): a `grpolab rm` checkpoint of the built-in GPT (a score head
+on its last hidden state), a Hugging Face AutoModelForSequenceClassification (logits[:, 0] on the
+joined text; `grpolab rm` writes one for HF backbones), or a `grpolab dpo` checkpoint (its implicit
+reward beta * log pi/pi_ref). Chat-message prompts are rendered with the
 RM tokenizer's chat template (completion as the assistant turn) when it has one; otherwise texts
 are concatenated.
 """
@@ -32,7 +33,7 @@ def _source_key(source: str) -> str:
 def load_reward_model(source: str, device: str | None = None):
     """A reward model (models/reward_head.py) in eval mode on `device`, loaded once per (source, device):
     a `grpolab rm` checkpoint of the built-in GPT, or a Hugging Face sequence classifier."""
-    from ..models.reward_head import BUILTIN_RM, checkpoint_kind, load_builtin_rm, load_hf_rm
+    from ..models.reward_head import BUILTIN_RM, checkpoint_kind, is_dpo_checkpoint, load_builtin_rm, load_hf_rm
 
     spec = PREFIX + source
     if not source.strip():
@@ -45,6 +46,9 @@ def load_reward_model(source: str, device: str | None = None):
     kind = checkpoint_kind(source)
     if kind == BUILTIN_RM:
         return load_builtin_rm(source, device)
+    if is_dpo_checkpoint(source):   # a DPO policy is a reward model too: its implicit reward
+        from ..models.reward_head import load_implicit_rm
+        return load_implicit_rm(source, device)
     from ..models.reward_head import _architectures
     arch = _architectures(source) if kind == "hf" else []
     if kind not in (None, "hf") or (arch and not any("ForSequenceClassification" in a for a in arch)):

@@ -440,15 +440,19 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         section, parts = getattr(section, parts[1]), [f"{parts[0]}.{parts[1]}", *parts[2:]]
     if len(parts) != 2:
         raise ConfigError(f"unknown config key {dotted!r}")
+    _set_field(section, parts[0], parts[1], dotted, value)
+
+
+def _set_field(section, prefix: str, key: str, dotted: str, value: Any) -> None:
+    """section.key = value, checked against its declared type; an unknown key names the closest one."""
     fields = {f.name: f for f in dataclasses.fields(section)}
-    if parts[1] not in fields:
+    if key not in fields:
         import difflib
-        close = difflib.get_close_matches(parts[1], fields, n=1)
-        hint = f"; did you mean {parts[0]}.{close[0]}?" if close else \
-            f"; valid keys: {', '.join(parts[0] + '.' + k for k in fields)}"
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f"; did you mean {prefix}.{close[0]}?" if close else \
+            f"; valid keys: {', '.join(prefix + '.' + k for k in fields)}"
         raise ConfigError(f"unknown config key {dotted!r}{hint}")
-    f = fields[parts[1]]
-    setattr(section, parts[1], _coerce(dotted, value, getattr(section, parts[1]), str(f.type)))
+    setattr(section, key, _coerce(dotted, value, getattr(section, key), str(fields[key].type)))
 
 
 def _set_judge(cfg: Config, dotted: str, rest: list[str], value: Any) -> None:
@@ -464,17 +468,9 @@ def _set_judge(cfg: Config, dotted: str, rest: list[str], value: Any) -> None:
         _need(value in (None, {}), f"{dotted}: give the judge's keys, e.g. {dotted}.base_url=...")
         judges.setdefault(name, JudgeConfig())
         return
-    fields = {f.name: f for f in dataclasses.fields(JudgeConfig)}
-    if len(rest) != 2 or rest[1] not in fields:
-        import difflib
-        close = difflib.get_close_matches(rest[-1], fields, n=1)
-        hint = f"; did you mean reward.judges.{name}.{close[0]}?" if close else \
-            f"; valid keys: {', '.join(fields)}"
-        raise ConfigError(f"unknown config key {dotted!r}{hint}")
-    judge = judges.setdefault(name, JudgeConfig())
-    if isinstance(judge, dict):   # set as a whole mapping through to_dict()/config_from_dict
-        judge = judges[name] = JudgeConfig(**judge)
-    setattr(judge, rest[1], _coerce(dotted, value, getattr(judge, rest[1]), str(fields[rest[1]].type)))
+    if len(rest) != 2:
+        raise ConfigError(f"unknown config key {dotted!r}")
+    _set_field(judges.setdefault(name, JudgeConfig()), f"reward.judges.{name}", rest[1], dotted, value)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -22,7 +22,7 @@ from .logging.console import Console
 from .models import CharTokenizer, build_builtin
 from .models.hf import load_hf, resolve_device
 from .rollout.tool_decode import build_tool_use
-from .train.checkpoint import find_resume_checkpoint, load_model
+from .train.checkpoint import checkpoint_job, find_resume_checkpoint, load_model
 from .train.grpo import GRPOTrainer
 from .train.sft import train_sft, warm_start_hook
 
@@ -59,11 +59,9 @@ def configure_rewards(cfg: Config, console: Console | None = None) -> None:
     # the python tool runs programs in the same sandbox
     listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec" or "python" in cfg.rollout.tools
     code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
-    judges = {n[len("judge:"):] for n in cfg.reward.functions if n.startswith("judge:")}
-    if judges:   # the judges this run asks; answers cached in the run directory
+    if cfg.reward.judges:   # the judges this run asks; answers cached in the run directory
         from .rewards import judge
-        judge.configure({n: j for n, j in cfg.reward.judges.items() if n in judges},
-                        Path(cfg.train.output_dir) / "judge_cache")
+        judge.configure(cfg.reward, Path(cfg.train.output_dir) / "judge_cache")
     if cfg.rollout.tools:   # a bad tool spec fails here, before any warm start
         from .rollout.tools import load_tools
         load_tools(list(cfg.rollout.tools))
@@ -183,7 +181,7 @@ def check_resume_job(ckpt: str | Path | None, job: str) -> None:
     Checkpoints without a job (older GRPO ones) count as grpo."""
     if ckpt is None:
         return
-    found = json.loads((Path(ckpt) / "trainer_state.json").read_text()).get("job", "grpo")
+    found = checkpoint_job(ckpt)
     if found != job:
         raise ConfigError(f"train.resume: {ckpt} is a {found} checkpoint, not a {job} one; start {job} from it with "
                           f"model.init_from={ckpt}")

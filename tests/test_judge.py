@@ -116,7 +116,7 @@ def test_a_missing_key_variable_is_one_line(monkeypatch):
     cfg = load_config(None, [f"reward.judges.j.{k}={json.dumps(v)}" for k, v in JUDGE.items()] +
                       ["reward.judges.j.base_url=http://127.0.0.1:1/v1", "reward.functions=[judge:j]"])
     with pytest.raises(RewardError, match=f"reward.judges.j.api_key_env: the environment variable {KEY_ENV} is not set"):
-        judge.configure(cfg.reward.judges, None)
+        judge.configure(cfg.reward, None)
 
 
 # ---------------------------------------------------------------- against `grpolab serve`
@@ -146,7 +146,7 @@ def _judge(url: str, cache_dir=None, **kw):
     over = {**JUDGE, "base_url": url + "/v1", **kw}
     cfg = load_config(None, [f"reward.judges.t.{k}={json.dumps(v)}" for k, v in over.items()] +
                       ["reward.functions=[judge:t]"])
-    judge.configure(cfg.reward.judges, cache_dir)
+    judge.configure(cfg.reward, cache_dir)
     return cfg
 
 

@@ -203,25 +203,23 @@ class ImplicitRewardModel(nn.Module):
         self.policy, self.ref, self.tok, self.beta = policy, ref, tok, beta
         self.config = policy.config
 
-    def ids(self, prompt, completion: str) -> tuple[list[int], list[bool]]:
-        from ..data.preference import side_row
-        from ..data.supervised import encode
-        e = encode(self.tok, side_row({"prompt": prompt, "completion": completion}, "completion"))
-        return e.ids, e.loss
+    def ids(self, prompt, completion: str):
+        """The pair side as `grpolab dpo` encodes it: an Example (ids, loss mask on the completion)."""
+        from ..data.supervised import as_sft_row, encode
+        return encode(self.tok, as_sft_row(prompt, completion))
 
-    def forward(self, batch: list[tuple[list[int], list[bool]]]) -> torch.Tensor:
-        from ..train.logprobs import token_logprobs
+    def forward(self, batch: list) -> torch.Tensor:
+        from ..data.supervised import collate
+        from ..train.logprobs import summed_logprobs
         from .lora import adapters_off
         dev = next(self.policy.parameters()).device
-        ids, valid = pad_sequences([b[0] for b in batch], self.tok.pad_id, "right")
-        mask, _ = pad_sequences([[int(x) for x in b[1]] for b in batch], 0, "right")
-        ids, valid, mask = ids.to(dev), valid.to(dev), mask[:, 1:].to(dev).float()
-        logp = (token_logprobs(self.policy, ids, valid) * mask).sum(-1)
+        b = {k: v.to(dev) for k, v in collate(batch, self.tok.pad_id).items()}
+        logp = summed_logprobs(self.policy, b)
         if self.ref is not None:
-            ref = (token_logprobs(self.ref, ids, valid) * mask).sum(-1)
+            ref = summed_logprobs(self.ref, b)
         else:
             with adapters_off(self.policy):
-                ref = (token_logprobs(self.policy, ids, valid) * mask).sum(-1)
+                ref = summed_logprobs(self.policy, b)
         return self.beta * (logp - ref)
 
 
@@ -229,22 +227,19 @@ def load_implicit_rm(path: str | Path, device: str = "cpu") -> ImplicitRewardMod
     """The implicit reward model of a `grpolab dpo` checkpoint; beta from its run's config.yaml."""
     import yaml
 
-    from ..train.checkpoint import load_model
-    from .hf import HFPolicy
+    from ..train.checkpoint import load_model, load_ref_weights
     from .lora import has_lora
     p = Path(path)
     policy, tok = load_model(p, device=device)
     ref = None
     if not has_lora(policy):
         ref, _ = load_model(p, device=device)
-        target = ref.hf if isinstance(ref, HFPolicy) else ref
-        from safetensors.torch import load_model as load_weights   # one name per tied weight, as saved
-        load_weights(target, str(p / "ref.safetensors"))
+        load_ref_weights(p, ref)
     run_cfg = p.parent.parent / "config.yaml"
     beta = (yaml.safe_load(run_cfg.read_text()) or {}).get("dpo", {}).get("beta", 1.0) if run_cfg.is_file() else 1.0
     return ImplicitRewardModel(policy.eval(), tok, ref.eval() if ref is not None else None, float(beta)).eval()
 
 
 def is_dpo_checkpoint(path: str | Path) -> bool:
-    p = Path(path).expanduser() / "trainer_state.json"
-    return p.is_file() and json.loads(p.read_text()).get("job") == "dpo"
+    from ..train.checkpoint import checkpoint_job
+    return checkpoint_job(path) == "dpo"

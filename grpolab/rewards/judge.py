@@ -19,6 +19,7 @@ request's header: never into config.yaml, the logs, the cache or samples.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -68,12 +69,10 @@ def parse_score(answer: str, parser: str, score_range=(0, 10), verdicts=("correc
     number: the pattern's first group (default: the last number in the answer), which must lie in
     score_range = [lo, hi]; reward (x - lo) / (hi - lo). verdict: the pattern's group (default: the
     last whole word that is one of `verdicts`, any case); verdict i of n gives 1 - i / (n - 1)."""
+    # the pattern's first group of each match (findall gives tuples when it has several groups)
+    groups = [g[0] if isinstance(g, tuple) else g for g in re.findall(pattern, answer)] if pattern is not None else None
     if parser == "number":
-        if pattern is not None:
-            m = re.findall(pattern, answer)
-            found = [g[0] if isinstance(g, tuple) else g for g in m]
-        else:
-            found = _NUMBER.findall(answer)
+        found = groups if groups is not None else _NUMBER.findall(answer)
         if not found:
             return None
         try:
@@ -83,10 +82,8 @@ def parse_score(answer: str, parser: str, score_range=(0, 10), verdicts=("correc
         lo, hi = score_range
         return (x - lo) / (hi - lo) if lo <= x <= hi else None
     words = [v.lower() for v in verdicts]
-    if pattern is not None:
-        m = re.findall(pattern, answer)
-        found = [(g[0] if isinstance(g, tuple) else g).strip().lower() for g in m]
-        found = [w for w in found if w in words]
+    if groups is not None:
+        found = [w for w in (g.strip().lower() for g in groups) if w in words]
     else:
         alternatives = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
         found = [w.lower() for w in re.findall(rf"(?<![\w-])({alternatives})(?![\w-])", answer, flags=re.IGNORECASE)]
@@ -137,6 +134,8 @@ class Judge:
         if jc.rubrics:
             from .rubrics import load_rubrics
             self.rubrics = load_rubrics(jc.rubrics, f"reward.judges.{name}.rubrics")
+        # a group's G samples share their question: retrieve its examples once
+        self.examples = functools.lru_cache(maxsize=4096)(self._examples)
         if jc.api_key_env and jc.api_key_env not in os.environ:
             raise RewardError(f"reward.judges.{name}.api_key_env: the environment variable {jc.api_key_env} is not "
                               f"set; export it before the run")
@@ -147,7 +146,7 @@ class Judge:
         self.succeeded = 0  # requests that got an answer from the server
 
     # ---------------------------------------------------------------- requests
-    def examples(self, question: str) -> str:
+    def _examples(self, question: str) -> str:
         if self.rubrics is None or not self.jc.rubric_examples:
             return ""
         rows = self.rubrics.top(question, self.jc.rubric_examples)
@@ -252,11 +251,15 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
-def configure(judges: dict, cache_dir: str | Path | None) -> None:
-    """Build the judges of reward.judges (cache files under `cache_dir`); `judge:<name>` resolves to them."""
+def configure(reward, cache_dir: str | Path | None) -> None:
+    """Build the judges `reward.functions` lists (`judge:<name>`, set up in reward.judges), their answers
+    cached under `cache_dir`; get_judge resolves the specs to them. Judges defined but not listed are
+    not built (nor their API key variables required)."""
+    listed = {f[len(PREFIX):] for f in reward.functions if f.startswith(PREFIX)}
     _CONFIGURED.clear()
-    for name, jc in judges.items():
-        _CONFIGURED[name] = Judge(name, jc, Path(cache_dir) if cache_dir is not None else None)
+    for name, jc in reward.judges.items():
+        if name in listed:
+            _CONFIGURED[name] = Judge(name, jc, Path(cache_dir) if cache_dir is not None else None)
 
 
 def get_judge(spec: str) -> Judge:

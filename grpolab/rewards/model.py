@@ -32,7 +32,8 @@ def _source_key(source: str) -> str:
 @functools.lru_cache(maxsize=None)
 def load_reward_model(source: str, device: str | None = None):
     """A reward model (models/reward_head.py) in eval mode on `device`, loaded once per (source, device):
-    a `grpolab rm` checkpoint of the built-in GPT, or a Hugging Face sequence classifier."""
+    a `grpolab rm` checkpoint of the built-in GPT, a `grpolab dpo` checkpoint (its implicit reward), or
+    a Hugging Face sequence classifier."""
     from ..models.reward_head import BUILTIN_RM, checkpoint_kind, is_dpo_checkpoint, load_builtin_rm, load_hf_rm
 
     spec = PREFIX + source

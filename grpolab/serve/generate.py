@@ -122,11 +122,9 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
     if score_cfg is not None:
         from ..rewards.combine import check_signatures
         columns = sorted({k for r in rows for k in r if k != "prompt"})
-        judges = {n[len("judge:"):] for n in score_cfg.reward.functions if n.startswith("judge:")}
-        if judges:   # judge answers cached beside OUT
+        if score_cfg.reward.judges:   # judge answers cached beside OUT
             from ..rewards import judge
-            judge.configure({n: j for n, j in score_cfg.reward.judges.items() if n in judges},
-                            Path(out_path).parent / "judge_cache")
+            judge.configure(score_cfg.reward, Path(out_path).parent / "judge_cache")
         check_signatures(list(score_cfg.reward.functions), columns)
     batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                                         dtype=dtype, device=device)

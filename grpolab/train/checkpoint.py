@@ -251,6 +251,21 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
     return p
 
 
+def load_ref_weights(path: str | Path, ref_model) -> None:
+    """A checkpoint's ref.safetensors into `ref_model`, in place (nothing when the file is absent);
+    save_model wrote one name per tied weight, and load_model reads it back that way."""
+    f = Path(path) / "ref.safetensors"
+    if f.is_file():
+        load_safetensors_model(ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model, str(f))
+
+
+def checkpoint_job(path: str | Path) -> str | None:
+    """The job that wrote a checkpoint (grpo, sft, dpo, rm, distill; older GRPO ones name none: grpo),
+    or None when the directory has no trainer_state.json."""
+    f = Path(path).expanduser() / "trainer_state.json"
+    return json.loads(f.read_text()).get("job", "grpo") if f.is_file() else None
+
+
 def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
     """Load a checkpoint's weights into `model` (skipped when None, e.g. a model just loaded from
     this checkpoint) and its reference into `ref_model`, in place; return optimizer, scheduler,
@@ -260,9 +275,7 @@ def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
         loaded, _ = load_model(p, device=str(next(model.parameters()).device))
         model.load_state_dict(loaded.state_dict())
     if ref_model is not None:
-        target = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
-        if (p / "ref.safetensors").is_file():
-            load_safetensors_model(target, str(p / "ref.safetensors"))
+        load_ref_weights(p, ref_model)
     opt = _load_plain(p / "optimizer.pt")
     rng = _load_plain(p / "rng.pt") if (p / "rng.pt").is_file() else {}
     trainer = json.loads((p / "trainer_state.json").read_text())

@@ -19,7 +19,7 @@ from ..algorithms.losses import dpo_loss
 from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
 from ..models.lora import adapters_off
-from .logprobs import logprob_chunk, token_logprobs
+from .logprobs import logprob_chunk, summed_logprobs
 from .loop import OfflineTrainer
 from .sft import model_context, task_eval
 
@@ -50,11 +50,9 @@ class DPOTrainer(OfflineTrainer):
         return out
 
     def _seq_logps(self, model, b: dict) -> torch.Tensor:
-        logp = token_logprobs(model, b["ids"], b["valid"], chunk=self.chunk)
-        mask = b["loss"][:, 1:]
-        seq = (logp * mask).sum(-1)
+        seq = summed_logprobs(model, b, chunk=self.chunk)
         if self.cfg.dpo.loss_type == "ipo":   # IPO on per-token averages (as TRL)
-            seq = seq / mask.sum(-1).clamp(min=1)
+            seq = seq / b["loss"][:, 1:].sum(-1).clamp(min=1)
         return seq
 
     def micro_loss(self, units: list, total: float) -> tuple[torch.Tensor, dict]:

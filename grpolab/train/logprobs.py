@@ -146,3 +146,9 @@ def token_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, *, segments: t
     logits = model(ids[:, :-1], key_valid=valid[:, :-1], **kw).float()
     return -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                               reduction="none").view_as(targets)
+
+
+def summed_logprobs(model, b: dict[str, torch.Tensor], chunk: int = 0) -> torch.Tensor:
+    """(B,) sum of log p over each row's loss tokens, for a `data.supervised.collate` batch (DPO's
+    sequence log-probs; a DPO checkpoint's implicit reward)."""
+    return (token_logprobs(model, b["ids"], b["valid"], chunk=chunk) * b["loss"][:, 1:]).sum(-1)

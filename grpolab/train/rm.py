@@ -60,13 +60,12 @@ class RewardTrainer(OfflineTrainer):
         bs = self.s.micro_batch_size or self.s.batch_size
         with torch.no_grad():
             for i in range(0, len(self.test_units), bs):
-                chosen, rejected, margin = self._scores(self.test_units[i:i + bs])
-                sums["loss"] += float(bradley_terry_loss(chosen, rejected, margin,
-                                                         self.cfg.rm.center_rewards_coefficient).sum())
-                sums["accuracy"] += float((chosen > rejected).sum())
-                sums["margin"] += float((chosen - rejected).sum())
+                loss, part = self.micro_loss(self.test_units[i:i + bs], 1.0)   # total 1: the summed loss
+                sums["loss"] += float(loss)
+                sums["accuracy"] += part["accuracy"]
+                sums["margin"] += part["margin"]
         return {f"eval/{k}": v / len(self.test_units) for k, v in sums.items()}
 
     def progress_parts(self, m: dict) -> list[str]:
-        return [f"loss {m['loss']:.4f}", f"acc {m['accuracy']:.2f}", f"margin {m['margin']:.3f}",
-                *[f"held-out acc {m['eval/accuracy']:.3f}" for _ in ("",) if "eval/accuracy" in m]]
+        held = [f"held-out acc {m['eval/accuracy']:.3f}"] if "eval/accuracy" in m else []
+        return [f"loss {m['loss']:.4f}", f"acc {m['accuracy']:.2f}", f"margin {m['margin']:.3f}", *held]

@@ -65,7 +65,7 @@ def main() -> int:
     pairs = root / "pairs.jsonl"
     run("sample", ["sample", warm, "--pairs", "--k", "8", "--out", str(pairs), f"sample.num_prompts={a.prompts}"], pairs)
     run("rm", ["rm", f"rm.pairs={pairs}", f"model.init_from={warm}", f"rm.steps={a.rm_steps}", f"rm.lr={a.rm_lr}",
-               f"train.output_dir={root / 'rm'}"], root / "rm" / "eval.json")
+               "rm.eval_size=200", f"train.output_dir={root / 'rm'}"], root / "rm" / "eval.json")
     rm = ckpt(root / "rm")
     # the reward model's split (offline.rm_pairs: train.seed 0, rm.eval_size 200), for DPO and both evaluations
     rows = pairs.read_text().splitlines(keepends=True)

@@ -4,6 +4,8 @@ serve | generate | tiny-model. Thin: parse, build the config, call the job."""
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 from .config import ConfigError, load_config
@@ -11,8 +13,37 @@ from .config import ConfigError, load_config
 DEMO_DIR = "runs/demo"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`grpolab: usage error: ...`, exit 2), as every other
+    bad input is, with a pointer to the command's --help instead of the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"grpolab: usage error: {message} (see {self.prog} --help)\n")
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port number (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535 (0: any free port), got {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grpolab", description="GRPO-family RL post-training for language models.")
+    p = _Parser(prog="grpolab", description="GRPO-family RL post-training for language models.")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -65,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "(needs grpolab[serve])")
     v.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free port)")
     v.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together (default 64); "
                    "more requests wait their turn")
     v.add_argument("--name", default=None, help="model name clients send (default: MODEL as given)")
@@ -75,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     v.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (info: one line per request)")
+    v.add_argument("--api-key", default=os.environ.get("GRPOLAB_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every request but /health (401 without); "
+                        "default: $GRPOLAB_API_KEY, else no key")
+    v.add_argument("--max-rows-per-request", type=_positive, default=None,
+                   help="most rows (prompts × n) one request may ask for; more is a 400 (default 1024)")
+    v.add_argument("--max-waiting", type=_positive, default=None,
+                   help="most rows waiting for a place in the batch; a request beyond is a 429, which "
+                        "clients retry (default 4096)")
 
     g = sub.add_parser("generate", help="offline batch generation for a jsonl of prompts (resumable)")
     g.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")
@@ -109,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--data", default=None, help="jsonl file whose 'question'/'prompt' and 'answer' texts "
                                                   "train the tokenizer (default: arithmetic problems)")
     m.add_argument("--vocab-size", type=int, default=512)
+    for cmd in sub.choices.values():   # a command's own usage errors point at its own --help
+        cmd.set_defaults(cmd_parser=cmd)
     return p
 
 
@@ -132,7 +173,6 @@ def _launch(nproc: int, argv: list[str]) -> int:
     --standalone does); its exit code. A failing rank prints its own one-line error; the launcher
     adds one line naming the rank, instead of its report."""
     import logging
-    import os
     import signal
     import uuid
 
@@ -181,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # key=value overrides may come before or after options: argparse leaves the later ones unparsed
     args, extra = parser.parse_known_args(argv)
+    parser = getattr(args, "cmd_parser", parser)
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
@@ -189,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     if nproc < 1:
         parser.error("--nproc: must be >= 1")
     if nproc > 1:
-        import os
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             parser.error("--nproc: already running under torchrun; drop --nproc")
         problem = _config_problem(args, nproc)   # one line here rather than from a rank the launcher may stop
@@ -204,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         from .train.checkpoint import CheckpointError
         from .train.grpo import TrainingError
         from .export import ExportError
+        from safetensors import SafetensorError
 
         if args.command == "demo":
             out = args.out or next((o.split("=", 1)[1] for o in reversed(args.overrides)
@@ -236,11 +277,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.overrides:
                 parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
             serve(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
-                  max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level)
+                  max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
+                  api_key=args.api_key, max_rows_per_request=args.max_rows_per_request,
+                  max_waiting=args.max_waiting)
         elif args.command == "generate":
             from .serve.generate import run_generate, sampling_settings
             if args.n < 1 or args.max_batch < 1:
                 parser.error("--n and --max-batch must be >= 1")
+            if args.n > args.max_batch:   # a prompt's n rows decode together: more would overrun the batch
+                parser.error(f"--n {args.n} is more than --max-batch {args.max_batch}: raise --max-batch")
             settings = sampling_settings([o for o in args.overrides if "." not in o.split("=", 1)[0]])
             dotted = [o for o in args.overrides if "." in o.split("=", 1)[0]]
             if dotted and not args.score:
@@ -268,15 +313,31 @@ def main(argv: list[str] | None = None) -> int:
         _error(f"{type(e).__name__.replace('Error', '').lower()} error: {e}",
                same_on_every_rank=isinstance(e, DataError))
         return 2
-    except (FileNotFoundError, NotADirectoryError, PermissionError, ImportError) as e:
+    except (FileNotFoundError, NotADirectoryError, ImportError) as e:
         if args.debug:
             raise
         _error(f"error: {e}")
         return 2
+    except OSError as e:   # the safety net for writes: a full disk, a read-only file system, no permission
+        if args.debug:
+            raise
+        _error(os_error_line(e))
+        return 2
+    except SafetensorError as e:   # its writer reports a full disk only in its message (os error 28)
+        if args.debug:
+            raise
+        text = " ".join(str(e).split())
+        _error("error: disk full while writing a .safetensors file (No space left on device)"
+               if "os error 28" in text or "No space left" in text else f"error: safetensors: {text}")
+        return 2
     except KeyboardInterrupt as e:
-        _error(f"{e or 'interrupted'}", same_on_every_rank=True)
+        # str(), not `e or ...`: an exception instance is always truthy, so an empty one printed a blank line
+        _error(str(e).strip() or "interrupted", same_on_every_rank=True)
         return 130
     except RuntimeError as e:
+        if not args.debug and _torch_write_failed(e):   # torch.save's writer hides the OS error
+            _error(f"error: writing a file failed ({' '.join(str(e).split())[:200]}); is the disk full?")
+            return 2
         if args.debug or not _lost_a_rank(e):
             raise
         # the rank that failed says why, and the launcher names it; this one just says it stopped
@@ -284,6 +345,21 @@ def main(argv: list[str] | None = None) -> int:
         why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])[:160]   # without gloo's source path
         _error(f"stopped: another rank left the run ({why})", name_rank=True)
         return LOST_A_RANK
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: what happened to which file, in words (no errno numbers)."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    if e.errno == errno.ENOSPC:
+        return f"error: disk full while writing {where or 'a file'} (No space left on device)"
+    if e.errno == errno.EDQUOT:
+        return f"error: disk quota exceeded while writing {where or 'a file'}"
+    if e.errno == errno.EROFS:
+        return f"error: read-only file system: {where or 'cannot write'}"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"error: permission denied: {where or e.strerror or e}"
+    what = " ".join((e.strerror or str(e) or type(e).__name__).split())   # a multi-line message as one line
+    return f"error: {what}: {where}" if where else f"error: {what}"
 
 
 def _run_config(checkpoint: str, config: str | None) -> str | None:
@@ -324,9 +400,15 @@ def _config_and_overrides(args) -> tuple[str | None, list[str]]:
     return config_path, overrides
 
 
+def _torch_write_failed(e: RuntimeError) -> bool:
+    """torch.save's zip writer failing mid-file (a full disk, usually): 'PytorchStreamWriter failed writing
+    file ...' or 'unexpected pos ...'."""
+    text = str(e)
+    return "PytorchStreamWriter failed" in text or "unexpected pos" in text
+
+
 def _lost_a_rank(e: RuntimeError) -> bool:
     """A collective broken because another rank died or failed (under several ranks)."""
-    import os
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
     import torch.distributed
@@ -337,7 +419,6 @@ def _lost_a_rank(e: RuntimeError) -> bool:
 def _error(msg: str, same_on_every_rank: bool = False, name_rank: bool = False) -> None:
     """One line on stderr. Under several ranks, rank 0 alone reports what every rank hits alike
     (a config or data error); other errors name their rank (`name_rank`: rank 0 names itself too)."""
-    import os
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1 and rank > 0 and same_on_every_rank:
         import time

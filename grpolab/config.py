@@ -8,6 +8,7 @@ the fix. Key names follow TRL/verl where they exist (num_generations, beta, epsi
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -21,6 +22,9 @@ import yaml
 class ConfigError(ValueError):
     """A config mistake; the message names the key and how to fix it."""
 
+
+# the smallest sampling temperature: below it logits / T can overflow float32 (the server samples greedily there)
+MIN_TEMPERATURE = 1e-5
 
 @dataclass
 class ModelConfig:
@@ -101,7 +105,8 @@ class RMConfig:
     pairs: str | None = None       # preference rows (prompt, chosen, rejected; an optional `margin` column), as
     #                                dpo.pairs takes them, e.g. `grpolab sample CHECKPOINT --pairs`'s file
     test_pairs: str | None = None  # held-out pairs for eval/accuracy; null = hold out rm.eval_size of rm.pairs
-    eval_size: int = 200           # pairs held out of rm.pairs (seeded draw) when rm.test_pairs is null; 0 = none
+    eval_size: int | None = None   # pairs held out of rm.pairs (seeded draw) when rm.test_pairs is null; 0 = none;
+    #                                null = 10% of rm.pairs, at least 1 and at most 200 (none when there is 1 pair)
     margin: float = 0.0            # Bradley-Terry margin for rows without a `margin` column: the loss is
     #                                -log sigmoid(r_chosen - r_rejected - margin)
     center_rewards_coefficient: float = 0.0  # + coef * (r_chosen + r_rejected)^2: keeps scores centred on 0
@@ -182,7 +187,7 @@ class RolloutConfig:
     prompts_per_step: int = 16     # distinct prompts per RL step
     num_generations: int = 8       # G: completions sampled per prompt (the group)
     max_new_tokens: int = 32       # completion length cap; longer ones are truncated
-    temperature: float = 1.0       # sampling temperature (> 0); log-probs use the same temperature
+    temperature: float = 1.0       # sampling temperature (>= 1e-5); log-probs use the same temperature
     top_k: int = 0                 # 0 = off
     top_p: float = 1.0             # 1.0 = off
     lean_decode: bool = True       # HF llama/mistral/qwen2/qwen3 models: sample through grpolab's lean decode
@@ -209,6 +214,9 @@ class CodeExecConfig:
     max_procs: int = 32            # processes and threads the program may have at once
     max_output: int = 1048576      # stdout bytes per stdin/stdout test case; more fails the case
     max_concurrent: int = 0        # programs run at once, each in its own sandbox; 0 = the number of cores
+    tmp_mb: int = 64               # size of each program's private /tmp (a tmpfs: memory outside memory_mb)
+    tmp_inodes: int = 4096         # files and dirs each program's /tmp may hold (each costs kernel memory)
+    shm_mb: int = 16               # System V shared memory each program's IPC namespace may hold, in all (0 = none)
     unsafe_no_sandbox: bool = False  # run programs without the sandbox (namespaces); only rlimits and a timeout
     #                                remain. For machines without user namespaces; warns on every run
 
@@ -253,6 +261,8 @@ class RewardConfig:
     code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)  # the code_exec reward's sandbox (keys above)
     judges: dict = field(default_factory=dict)  # LLM judges by name, each used as reward `judge:<name>`; keys are
     #                                reward.judges.<name>.<key> (the reward.judges.<name> rows)
+    timeout: float = 300.0         # seconds one reward function may take for one step's batch (sync or async);
+    #                                past it the run stops with one line naming the function. 0 = no limit
 
 
 @dataclass
@@ -334,14 +344,21 @@ class TrainConfig:
     output_dir: str = "runs/train" # run directory (config.yaml, metrics.jsonl, checkpoints/)
     seed: int = 0                  # seeds data order, sampling and init
     save_every: int = 0            # checkpoint every N steps (0 = only at the end)
-    eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end)
+    eval_every: int = 0            # evaluate on the test split every N steps (0 = only at the end); the final
+    #                                eval is logged with the last step's row
     log_every: int = 1             # console line every N steps (sft/dpo/distill: at least every 1/20 of the run)
     threads: int = 0               # torch CPU threads, fixed for the whole run (0 = all cores); same count,
-    #                                machine type and torch build: same bits, idle or busy (see Determinism)
+    #                                machine type and torch build: same bits, idle or busy (see Determinism).
+    #                                At most max(256, 4 x the machine's cores) (config.max_threads); idle threads
+    #                                sleep (OMP_WAIT_POLICY=PASSIVE), so 0 is safe on a busy machine
     resume: str | None = None      # auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir:
     #                                restores model, reference, optimizer, scheduler, RNG and data position
     keep_checkpoints: int = 3      # keep the newest N checkpoints (0 = keep all)
     max_bad_steps: int = 5         # steps with a NaN/inf loss or gradient are skipped (no update); abort after N
+    undo_nonfinite_updates: bool = False  # copy the weights and optimizer state before every update, so an update
+    #                                that makes a weight NaN/inf is undone and counted toward max_bad_steps (costs a
+    #                                copy of both per step); false: such an update stops the run with one line
+    #                                before any checkpoint holds it
     strategy: str = "ddp"          # with several ranks: ddp (every rank holds the whole model, gradients summed)
     #                                | fsdp (FSDP2: parameters, gradients and optimizer state sharded over the
     #                                ranks; see README "Scaling out"). One process: no effect
@@ -351,7 +368,8 @@ class TrainConfig:
 class LogConfig:
     level: str = "normal"          # quiet (results and errors only) | normal (a line per step) | verbose
     #                                (also a table of sampled completions every log.samples_every steps)
-    samples_every: int = 10        # write samples of the step's completions to samples.jsonl every N steps; 0 = off
+    samples_every: int = 10        # write samples of the step's completions to samples.jsonl every N steps, and
+    #                                always the first and last step's; 0 = off
     samples_per_step: int = 8      # completions written (and shown in verbose mode) per sampled step
     tensorboard: bool = False      # TensorBoard scalars in <output_dir>/tensorboard (needs `tensorboard`)
     wandb_project: str | None = None  # log to this Weights & Biases project (needs `wandb`; imported only then)
@@ -406,13 +424,16 @@ def _coerce(key: str, value: Any, current: Any, ftype: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif base == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads '3e-5' (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = None
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:   # PyYAML reads '3e-5' (no dot) as a string
+                number = float(value)
+            except (ValueError, OverflowError):   # OverflowError: an int of 400 digits
+                number = float("inf") if not isinstance(value, str) else None
+        if number is not None:
+            # inf/nan pass every `> 0` check and then poison the run (NaN weights, every step skipped)
+            _need(math.isfinite(number), f"{key}: must be a finite number, got {_short(value)}")
+            return number
     elif base == "str":
         if isinstance(value, str):
             return value
@@ -429,6 +450,9 @@ def _coerce(key: str, value: Any, current: Any, ftype: str) -> Any:
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     sections = {f.name for f in dataclasses.fields(Config)}
+    if len(parts) == 1 and parts[0] in sections:   # `rollout: 5` in a file, or rollout=5 on the command line
+        _need(value is None, _not_a_mapping(dotted, value))   # (an empty `rollout:` section sets nothing)
+        return
     if len(parts) < 2 or parts[0] not in sections:
         raise ConfigError(f"unknown config key {dotted!r}; keys look like section.name with section one of "
                           f"{', '.join(sorted(sections))}")
@@ -447,12 +471,24 @@ def _set_field(section, prefix: str, key: str, dotted: str, value: Any) -> None:
     """section.key = value, checked against its declared type; an unknown key names the closest one."""
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
-        import difflib
         close = difflib.get_close_matches(key, fields, n=1)
         hint = f"; did you mean {prefix}.{close[0]}?" if close else \
             f"; valid keys: {', '.join(prefix + '.' + k for k in fields)}"
         raise ConfigError(f"unknown config key {dotted!r}{hint}")
+    if dataclasses.is_dataclass(getattr(section, key)):   # reward.code_exec: 5
+        _need(value is None, _not_a_mapping(dotted, value))
+        return
     setattr(section, key, _coerce(dotted, value, getattr(section, key), str(fields[key].type)))
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _not_a_mapping(key: str, value: Any) -> str:
+    return (f"{key}: is a section and must be a mapping of its keys (e.g. `{key}: {{name: value}}` in the file, "
+            f"or {key}.name=value on the command line), got {_short(value)}")
 
 
 def _set_judge(cfg: Config, dotted: str, rest: list[str], value: Any) -> None:
@@ -498,15 +534,48 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one
+    silently, so `lr: 1e-4` a few lines above `lr: 1e-2` would be lost without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:   # this mapping's own keys, before `<<:` merges add theirs
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(f"line {line}: key {key!r} is given twice in one section (first on line "
+                                      f"{seen[key]}); keep one")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict:
-    """A config file's mapping of sections; ConfigError when it is missing, not YAML or not a mapping."""
+    """A config file's mapping of sections; ConfigError when it is missing, not UTF-8, not YAML, has a
+    key twice or is not a mapping."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found")
+    raw = p.read_bytes()
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"config file {str(p)!r}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                          f"column {col}); save the file as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(p)!r}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(p)!r}: nested too deeply to read (PyYAML recurses once per "
+                          f"level); a config is sections of keys") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
     return data
@@ -598,7 +667,8 @@ def _judge(key: str, j: "JudgeConfig") -> None:
           f"{key}.api_key_env: give the NAME of an environment variable holding the key (e.g. OPENAI_API_KEY), "
           f"never the key itself")
     _choice(f"{key}.parser", j.parser, ("number", "verdict"))
-    _need(len(j.score_range) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in j.score_range)
+    _need(len(j.score_range) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                          for x in j.score_range)
           and j.score_range[0] < j.score_range[1], f"{key}.score_range: give [lowest, highest], e.g. [0, 10]")
     _need(len(j.verdicts) >= 2 and all(isinstance(v, str) and v.strip() for v in j.verdicts)
           and len(set(v.lower() for v in j.verdicts)) == len(j.verdicts),
@@ -627,6 +697,41 @@ def _judge(key: str, j: "JudgeConfig") -> None:
     _need(j.rubric_examples >= 0, f"{key}.rubric_examples: must be >= 0")
 
 
+def _finite_problem(value: Any) -> bool:
+    """A float (alone or inside a list) that is inf or nan."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, (list, tuple)) and any(_finite_problem(v) for v in value)
+
+
+def check_finite(section: Any, prefix: str) -> None:
+    """Every float in `section` (a dataclass), its nested sections and its dicts of sections (the judges)
+    and lists, finite; ConfigError naming the first key that is not. inf and nan slip through range
+    checks (nan compares false to everything; inf is > 0): optim.lr=inf saved a checkpoint of NaN weights,
+    algorithm.beta=inf skipped every step and exited 0."""
+    for f in dataclasses.fields(section):
+        key, value = f"{prefix}.{f.name}", getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, key)
+        elif isinstance(value, dict):
+            for name, sub in value.items():
+                if dataclasses.is_dataclass(sub):
+                    check_finite(sub, f"{key}.{name}")
+                else:
+                    _need(not _finite_problem(sub), f"{key}.{name}: must be a finite number, got {_short(sub)}")
+        else:
+            what = "finite numbers" if isinstance(value, list) else "a finite number"
+            _need(not _finite_problem(value), f"{key}: must be {what}, got {_short(value)}")
+
+
+def max_threads() -> int:
+    """train.threads ceiling: max(256, 4 x this machine's cores). The thread count fixes the order of
+    torch's reductions, so a run is reproduced bit for bit with its own count, possibly from a bigger
+    machine (256 covers today's largest two-socket servers); beyond that, more threads than cores only
+    queue up, and train.threads=100000 asked OpenMP for 100000 threads."""
+    return max(256, 4 * (os.cpu_count() or 1))
+
+
 def validate(cfg: Config) -> None:
     from .algorithms.advantages import ADV_ESTIMATORS
     from .algorithms.aggregate import AGG_MODES
@@ -634,6 +739,8 @@ def validate(cfg: Config) -> None:
     from .rewards import REWARDS, RewardError
     from .rewards.custom import parse_call
 
+    for f in dataclasses.fields(cfg):   # first: the range checks below assume finite numbers
+        check_finite(getattr(cfg, f.name), f.name)
     m = cfg.model
     _need(bool(m.name_or_path), "model.name_or_path: give 'builtin' or a Hugging Face model directory / hub id")
     _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
@@ -665,13 +772,14 @@ def validate(cfg: Config) -> None:
     _choice("dpo.loss_type", p.loss_type, DPO_LOSSES)
     _need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing: must be in [0, 0.5)")
     rmc = cfg.rm
-    _need(rmc.eval_size >= 0, "rm.eval_size: must be >= 0 (0 = no held-out pairs)")
+    _need(rmc.eval_size is None or rmc.eval_size >= 0,
+          "rm.eval_size: must be >= 0 (0 = no held-out pairs) or null (10% of rm.pairs, 1 to 200)")
     _need(math.isfinite(rmc.margin), "rm.margin: must be a finite number")
     _need(rmc.center_rewards_coefficient >= 0, "rm.center_rewards_coefficient: must be >= 0 (0 = off)")
     di = cfg.distill
     _choice("distill.mode", di.mode, ("logits", "on_policy"))
     _choice("distill.kl", di.kl, DISTILL_KL)
-    _need(di.temperature > 0, "distill.temperature: must be > 0")
+    _need(di.temperature >= MIN_TEMPERATURE, f"distill.temperature: must be >= {MIN_TEMPERATURE}")
     sm = cfg.sample
     _need(sm.k >= 1 and (sm.k >= 2 or not sm.pairs), "sample.k: must be >= 1 (>= 2 with sample.pairs)")
     _need(sm.num_prompts >= 0, "sample.num_prompts: must be >= 0 (0 = all)")
@@ -697,8 +805,8 @@ def validate(cfg: Config) -> None:
     _need(r.num_generations >= 2,
           "rollout.num_generations: must be >= 2 (group-relative advantages need a group)")
     _need(r.max_new_tokens >= 1, "rollout.max_new_tokens: must be >= 1")
-    _need(r.temperature > 0 and math.isfinite(r.temperature),
-          "rollout.temperature: must be > 0 (RL samples; use eval for greedy)")
+    _need(r.temperature >= MIN_TEMPERATURE and math.isfinite(r.temperature),   # below it logits/T overflow float32
+          f"rollout.temperature: must be >= {MIN_TEMPERATURE} (RL samples; use eval for greedy)")
     _need(r.top_k >= 0, "rollout.top_k: must be >= 0 (0 = off)")
     _need(0 < r.top_p <= 1, "rollout.top_p: must be in (0, 1]")
     _need(isinstance(r.tools, list) and all(isinstance(t, str) and t for t in r.tools),
@@ -734,6 +842,10 @@ def validate(cfg: Config) -> None:
     _need(c.max_procs >= 1, "reward.code_exec.max_procs: must be >= 1")
     _need(c.max_output >= 1, "reward.code_exec.max_output: must be >= 1 byte")
     _need(c.max_concurrent >= 0, "reward.code_exec.max_concurrent: must be >= 0 (0 = the number of cores)")
+    _need(c.tmp_mb >= 1, "reward.code_exec.tmp_mb: must be >= 1")
+    _need(c.tmp_inodes >= 16, "reward.code_exec.tmp_inodes: must be >= 16")
+    _need(c.shm_mb >= 0, "reward.code_exec.shm_mb: must be >= 0 (0 = no shared memory)")
+    _need(w.timeout >= 0, "reward.timeout: must be >= 0 seconds (0 = no limit)")
     _need(len(set(w.functions)) == len(w.functions), "reward.functions: a reward is listed twice; list it once "
           "(give it a larger reward.weights entry to count it more)")
     if w.weights is not None:
@@ -799,6 +911,8 @@ def validate(cfg: Config) -> None:
     _need(bool(t.output_dir), "train.output_dir: must be a directory path")
     for k in ("save_every", "eval_every", "threads"):
         _need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
+    _need(t.threads <= max_threads(), f"train.threads: {t.threads} is more than {max_threads()} (4 x this machine's "
+          f"{os.cpu_count()} cores, at least 256); threads beyond the cores only wait their turn (0 = all cores)")
     _need(t.log_every >= 1, "train.log_every: must be >= 1")
     _need(t.keep_checkpoints >= 0, "train.keep_checkpoints: must be >= 0 (0 = keep all)")
     _need(t.max_bad_steps >= 0, "train.max_bad_steps: must be >= 0")
@@ -811,7 +925,8 @@ def validate(cfg: Config) -> None:
     e = cfg.eval
     _need(e.num_problems >= 1, "eval.num_problems: must be >= 1")
     _need(e.k >= 1, "eval.k: must be >= 1")
-    _need(e.temperature > 0, "eval.temperature: must be > 0")
+    _need(e.temperature >= MIN_TEMPERATURE, f"eval.temperature: must be >= {MIN_TEMPERATURE} (greedy accuracy is "
+          f"measured apart)")
     _need(e.batch_size >= 1, "eval.batch_size: must be >= 1")
     _choice("eval.reward", e.reward, ("gsm8k_accuracy", "math_accuracy", "code_exec"))
     _need(cfg.data.task not in ("pyfunc", "humaneval") or e.reward == "code_exec",

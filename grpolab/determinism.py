@@ -15,6 +15,16 @@ machine than on an idle one, even with the same seed:
 type, with the same torch/MKL build and thread count, give the same bits, idle or busy. What is
 not: a different CPU (another instruction set takes other kernels), another torch build, or another
 `train.threads` (a product split differently sums in another order).
+
+Speed on a shared machine: torch's CPU build runs its parallel regions (and MKL's, through MKL's GNU
+threading layer) on GNU OpenMP (libgomp; `torch.__config__.parallel_info()`). By default a libgomp
+worker that finishes its part spin-waits for the next region (GOMP_SPINCOUNT, 300,000 spins) instead
+of sleeping. On an idle machine that saves a wake-up; when another process wants the cores, the
+spinning workers take the CPU time the thread doing the real work needs, and every region waits for
+a descheduled spinner: `grpolab sft` at train.threads=0 ran 3-13x slower than at train.threads=1 and
+burned ~4x the CPU. `OMP_WAIT_POLICY=PASSIVE` makes idle workers sleep at once (libgomp's spin count
+0); `KMP_BLOCKTIME=0` is the same for builds on Intel's OpenMP (libiomp5). How threads wait changes
+no arithmetic: the bits are the same (tests/test_threads.py; bench/threads.py measures the speed).
 """
 
 from __future__ import annotations
@@ -24,11 +34,16 @@ import os
 # Read by MKL at its first call, so it is set when grpolab is imported (grpolab/__init__.py);
 # a value the user exported wins.
 MKL_ENV = {"MKL_CBWR": "AUTO", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+# Read by the OpenMP runtime once, when it is loaded (with torch): grpolab/__init__.py sets them
+# before anything imports torch. A value the user exported wins (OMP_WAIT_POLICY=ACTIVE brings
+# the spinning back, e.g. for a dedicated machine).
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
 def set_reproducible_env() -> None:
-    """Set MKL/OpenMP reproducibility variables unless the user set them (before any MKL call)."""
-    for k, v in MKL_ENV.items():
+    """Set the MKL/OpenMP reproducibility and wait-policy variables unless the user set them
+    (before torch is imported: the OpenMP runtime reads them when it is loaded)."""
+    for k, v in {**MKL_ENV, **OPENMP_ENV}.items():
         os.environ.setdefault(k, v)
 
 

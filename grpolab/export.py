@@ -12,16 +12,19 @@ directory (weights, config, generation config, tokenizer) from any grpolab check
 
 Every export is loaded back and its logits compared with the checkpoint's (to 1e-5 of the largest
 logit's size in float32);
-a mismatch is an error, not a silent bad export.
+a mismatch is an error, not a silent bad export. OUT_DIR is checked for writing before the model
+loads; a write that fails (disk full, read-only file system) removes the partial export.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, TOOL_TOKENS, UNK_CHAR, USER, CharTokenizer
 
@@ -45,24 +48,54 @@ def export(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dty
         raise ExportError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{str(out)!r} exists and is not empty; give a new directory")
+    _check_writable(out)
     model, tok = load_model(src)
     model.eval()
     ids = torch.randint(0, min(model.config.vocab_size, 90), (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).float()
-    if not hasattr(model, "hf"):   # the built-in GPT
-        what = _export_gpt(model, out, dtype)
-    elif has_lora(model) and not merge:
-        model.hf.save_pretrained(str(out))
-        tok.save(out)
-        return f"{out}: LoRA adapter (peft layout) of {_adapter_base(src)}; --merge for a standalone model"
-    else:
-        hf = model.hf.merge_and_unload() if has_lora(model) else model.hf
-        hf.to(DTYPES[dtype]).save_pretrained(str(out), safe_serialization=True)
-        tok.save(out)
-        what = f"{hf.config.model_type} model" + (" (LoRA merged)" if has_lora(model) else "")
+    try:
+        if not hasattr(model, "hf"):   # the built-in GPT
+            what = _export_gpt(model, out, dtype)
+        elif has_lora(model) and not merge:
+            model.hf.save_pretrained(str(out))
+            tok.save(out)
+            return f"{out}: LoRA adapter (peft layout) of {_adapter_base(src)}; --merge for a standalone model"
+        else:
+            hf = model.hf.merge_and_unload() if has_lora(model) else model.hf
+            hf.to(DTYPES[dtype]).save_pretrained(str(out), safe_serialization=True)
+            tok.save(out)
+            what = f"{hf.config.model_type} model" + (" (LoRA merged)" if has_lora(model) else "")
+    except (OSError, SafetensorError) as e:   # half an export is worse than none: remove it, say why in one line
+        shutil.rmtree(out, ignore_errors=True)
+        raise ExportError(f"{write_failure(e, out)}; the partial export was removed") from None
     _check(out, ids, expected, dtype)
     return f"{out}: {what}, {dtype}; loads with AutoModelForCausalLM.from_pretrained"
+
+
+def write_failure(e: Exception, path: Path) -> str:
+    """What went wrong writing under `path`, in words: a full disk, a read-only file system, or the error.
+    (safetensors' writer reports the OS error only inside its message.)"""
+    text = str(e)
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "StorageFull" in text:
+        return f"disk full while writing {path}"
+    if getattr(e, "errno", None) == errno.EROFS or "Read-only file system" in text or "ReadOnlyFilesystem" in text:
+        return f"read-only file system: cannot write {path}"
+    return f"cannot write {path}: {' '.join((getattr(e, 'strerror', None) or text).split())}"
+
+
+def _check_writable(out: Path) -> None:
+    """ExportError now, before the model loads, if OUT_DIR cannot be created or written."""
+    try:
+        if out.exists():
+            probe = out / ".grpolab-write-test"
+            probe.touch()
+            probe.unlink()
+        else:   # made and removed: the save creates it again (a failed load leaves nothing behind)
+            out.mkdir(parents=True)
+            out.rmdir()
+    except OSError as e:
+        raise ExportError(write_failure(e, out)) from None
 
 
 def _adapter_base(src: Path) -> str:

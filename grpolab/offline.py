@@ -11,12 +11,14 @@ from pathlib import Path
 from . import distributed
 from .config import Config, ConfigError
 from .data.loading import DataError, normalize_rows, read_records
-from .data.preference import preference_rows
+from .data.preference import fit_pairs, heldout_size, preference_rows
 from .data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
 from .logging.console import Console
 from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, configure_rewards, fit_prompts,
                        load_data, load_policy, setup_torch, write_run_config)
 from .train.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
+from .train.memory_budget import check_eval_memory
+from .train.sft import model_context
 from .utils.files import write_json
 
 BUILTIN_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval")
@@ -78,7 +80,7 @@ def _start(cfg: Config, job: str, console: Console):
     if distributed.world_from_env().size > 1:
         raise ConfigError(f"{job} runs in one process; drop --nproc / torchrun (data-parallel {job} is not built yet)")
     run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir)
+    write_run_config(cfg, run_dir, job)
     ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
     check_resume_job(ckpt, job)
     train_task, test_task, why = task_rows(cfg, console)
@@ -105,6 +107,8 @@ def _finish(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before:
     before training."""
     if trainer.max_steps == 0:
         raise ConfigError(f"{trainer.job}.steps: 0 steps to run; set {trainer.job}.steps or {trainer.job}.epochs")
+    # an eval batch the memory cannot hold (eval.k, eval.batch_size): one line now, not at the final eval
+    check_eval_memory(cfg, trainer.model, trainer.tok, getattr(trainer, "test_rows", []))
     if ckpt is not None:
         trainer.restore(ckpt, weights=False)
     before_file = run_dir / "eval_before.json"
@@ -115,8 +119,8 @@ def _finish(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before:
             before = {} if _fresh(cfg) else trainer.evaluate()
         write_json(before_file, before)
     before = json.loads(before_file.read_text())
-    trainer.train()
-    after = trainer.evaluate()
+    trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
+    after = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
     write_json(run_dir / "eval.json", {k.removeprefix("eval/"): v for k, v in after.items()})
     keys = [k for k in after if k.removeprefix("eval/") in getattr(trainer, "summary_keys", (*EVAL_KEYS, "loss"))]
     # (summary "before" is empty for a fresh model)
@@ -124,10 +128,11 @@ def _finish(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before:
                "after": {k.removeprefix("eval/"): after[k] for k in keys}, "steps": trainer.max_steps,
                "seed": trainer.cfg.train.seed}
     write_json(run_dir / "summary.json", summary)
-    if summary["after"]:
+    if summary["after"]:   # no "before" value (a fresh model; a stage before without this metric): a dash
+        b = summary["before"]
         console.table(["metric (held-out)", "before", "after", "change"],
-                      [[k, summary["before"].get(k, float("nan")), v, v - summary["before"].get(k, float("nan"))]
-                       for k, v in summary["after"].items()], always=True)
+                      [[k, b.get(k), v, v - b[k] if k in b else None] for k, v in summary["after"].items()],
+                      always=True)
     _report(run_dir, console)
     return summary
 
@@ -179,6 +184,10 @@ def _dpo(cfg: Config, console: Console, before: dict | None) -> dict:
     pairs = read_pairs(cfg, cfg.dpo.pairs)
     run_dir, ckpt, _, test_task = _start(cfg, "dpo", console)
     model, tok = _model(cfg, ckpt, console)
+    pairs, dropped = fit_pairs(pairs, tok, model_context(model) or 10 ** 9, source=cfg.dpo.pairs)
+    if dropped:
+        console.info(f"dpo: dropped {len(dropped)} of {len(pairs) + len(dropped)} pairs whose prompt fills the "
+                     f"model's context (rows {', '.join(map(str, dropped[:10]))}{' ...' if len(dropped) > 10 else ''})")
     test_task = fit_prompts(cfg, model, tok, test_task, console, "test") if test_task else []
     trainer = DPOTrainer(cfg, model, tok, pairs, test_rows=test_task, run_dir=run_dir, console=console)
     console.info(f"dpo: {len(pairs)} pairs, {trainer.max_steps} steps x {cfg.dpo.batch_size} pairs, "
@@ -198,14 +207,15 @@ def rm_pairs(cfg: Config) -> tuple[list[dict], list[dict]]:
     pairs = read_preferences(cfg, r.pairs, margin=True)
     if r.test_pairs:
         return pairs, read_preferences(cfg, r.test_pairs, margin=True)
-    if not r.eval_size:
+    k = heldout_size(r.eval_size, len(pairs))
+    if not k:
         return pairs, []
-    if r.eval_size >= len(pairs):
-        raise ConfigError(f"rm.eval_size: {r.eval_size} held-out pairs leave none of the {len(pairs)} in rm.pairs "
+    if k >= len(pairs):
+        raise ConfigError(f"rm.eval_size: {k} held-out pairs leave none of the {len(pairs)} in rm.pairs "
                           f"to train on; lower rm.eval_size or give rm.test_pairs")
     order = list(range(len(pairs)))
     random.Random(cfg.train.seed).shuffle(order)
-    held = set(order[:r.eval_size])
+    held = set(order[:k])
     return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
 
 
@@ -278,7 +288,7 @@ def _rm(cfg: Config, console: Console, before: dict | None) -> dict:
     if distributed.world_from_env().size > 1:
         raise ConfigError("rm runs in one process; drop --nproc / torchrun")
     run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir)
+    write_run_config(cfg, run_dir, "rm")
     ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
     check_resume_job(ckpt, "rm")
     rm = load_rm(cfg, ckpt, console)

@@ -24,6 +24,8 @@ from .models.hf import load_hf, resolve_device
 from .rollout.tool_decode import build_tool_use
 from .train.checkpoint import checkpoint_job, find_resume_checkpoint, load_model
 from .train.grpo import GRPOTrainer
+from .train.resume_rules import check_resume_config
+from .train.memory_budget import builtin_shape, check_eval_memory, check_run_memory
 from .train.sft import train_sft, warm_start_hook
 
 EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8", "tool_calls_per_completion")
@@ -55,7 +57,8 @@ def configure_rewards(cfg: Config, console: Console | None = None) -> None:
     """Before any work: reward.code_exec's limits for code_exec (also when a user reward calls it); when
     code_exec scores this run, check the sandbox works on this machine (a one-line error with the fix
     if not). A warning on every run when the sandbox is off."""
-    from .rewards import code
+    from .rewards import code, combine
+    combine.configure(cfg.reward)   # reward.timeout for every score() of this run
     # the python tool runs programs in the same sandbox
     listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec" or "python" in cfg.rollout.tools
     code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
@@ -170,10 +173,19 @@ def load_policy(cfg: Config, train_rows: list[dict], console: Console, warm_star
     return model, tok
 
 
-def write_run_config(cfg: Config, run_dir: Path) -> None:
+def write_run_config(cfg: Config, run_dir: Path, job: str | None = None) -> None:
+    """config.yaml of the run. With train.resume, first: the checkpoint to resume must be usable, of
+    `job` (when given; else the checkpoint's job is assumed), and the config may change only the keys
+    resume_rules.py allows, so config.yaml keeps describing the weights (ConfigError listing the keys)."""
     check_output_dir(cfg)   # before any work: an unwritable train.output_dir is a config error naming the key
     if distributed.world_from_env().main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
+        if ckpt is not None:   # before config.yaml is rewritten: a refused resume leaves it as it was
+            if job is not None:
+                check_resume_job(ckpt, job)
+            check_resume_config(yaml.safe_load(text), ckpt, job)
+        (run_dir / "config.yaml").write_text(text)
 
 
 def check_resume_job(ckpt: str | Path | None, job: str) -> None:
@@ -204,6 +216,10 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
         console.info(f"resuming from {ckpt}")
         model, tok = load_model(ckpt, dtype=cfg.model.dtype, device=_device(cfg))
     else:
+        if cfg.model.name_or_path == "builtin" and not cfg.model.init_from:   # before the warm start, not after it
+            check_run_memory(cfg, builtin_shape(cfg.model, CharTokenizer().vocab_size), CharTokenizer(), train_rows,
+                             test_rows, resolve_device(_device(cfg)), distributed.world_from_env(),
+                             cfg.model.block_size)
         model, tok = load_policy(cfg, train_rows, console)
     train_rows = fit_prompts(cfg, model, tok, train_rows, console, "train")
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
@@ -224,13 +240,13 @@ def run_train(cfg: Config, console: Console | None = None) -> dict:
 
 def _train(cfg: Config, console: Console) -> dict:
     run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir)
+    write_run_config(cfg, run_dir, "grpo")
     trainer = build_trainer(cfg, run_dir, console)
     if trainer.world.size > 1:
         console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "
                      f"{torch.get_num_threads()} threads each")
-    trainer.train()
-    final = trainer.evaluate()
+    trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
+    final = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
     if trainer.world.main:
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
@@ -251,14 +267,14 @@ def run_demo(cfg: Config, console: Console | None = None) -> dict:
 
 def _demo(cfg: Config, console: Console, t0: float) -> dict:
     run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir)
+    write_run_config(cfg, run_dir, "grpo")
     trainer = build_trainer(cfg, run_dir, console)
     console.info(f"evaluating on {len(trainer.test_rows)} held-out problems ...")
     before = trainer.evaluate()
     console.info(f"GRPO: {cfg.train.max_steps} steps x {cfg.rollout.prompts_per_step} prompts x "
                  f"{cfg.rollout.num_generations} completions")
-    history = trainer.train()
-    after = trainer.evaluate()
+    history = trainer.train(final_eval=True)
+    after = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
     wall = time.perf_counter() - t0
     gen_tps = [m["perf/gen_tokens_per_sec"] for m in history]
     summary = {"before": {k: before[k] for k in EVAL_KEYS if k in before},
@@ -291,6 +307,7 @@ def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: 
     configure_rewards(cfg, console)
     _, test_rows = load_data(cfg)
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
+    check_eval_memory(cfg, model, tok, test_rows)   # eval.k / eval.batch_size beyond the memory: one line
     e = cfg.eval
     res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,

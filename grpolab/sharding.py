@@ -18,11 +18,22 @@ while it runs.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
 
 from .config import ConfigError
+
+# torch warns (on every rank, every step) when an FSDP unit returns a view: an in-place op on that
+# view (`out += y`) would skip the unit's pre-backward hook and give wrong gradients. The built-in
+# GPT's Block returns `addmm(...).view(B, T, C)` (the residual add fused into the matmul); every
+# consumer of it (the next Block, GPT.forward's slice and final norm, activation checkpointing) is
+# out of place, so the hook stays and the gradients are one process's (tests/test_distributed.py::
+# test_fsdp_on_the_builtin_gpt_equals_one_process). A clone would cost a copy per block for nothing.
+# Only this class is silenced: a Hugging Face layer that returns a view still warns.
+BLOCK_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor"
+
 
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the built-in GPT's `blocks`, or the layers a Hugging Face model
@@ -46,6 +57,7 @@ def shard(model: nn.Module, frozen: bool = False) -> nn.Module:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     # the mesh on the model's device type (a CUDA machine can still train on CPU)
     mesh = init_device_mesh(next(model.parameters()).device.type, (torch.distributed.get_world_size(),))
+    warnings.filterwarnings("ignore", message=BLOCK_VIEW_WARNING, category=UserWarning)
     for b in blocks(model):
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)

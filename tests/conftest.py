@@ -7,6 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpolab  # noqa: F401  (before torch: OpenMP reads OMP_WAIT_POLICY when torch loads it)
 import pytest
 import torch
 

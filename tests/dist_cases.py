@@ -5,8 +5,8 @@ size, in one process or split over the ranks of a torchrun launch (tests/test_di
     torchrun --nproc_per_node 2 tests/dist_cases.py run DIR OUT.pt [fsdp]   # rank 0 writes the updated weights
 
 With `hf`, the policy is a tiny Hugging Face Llama (tied embeddings) saved in DIR/llama and only
-HF_CASES run; with `fsdp`, the ranks shard it (train.strategy=fsdp) and rank 0 also writes the
-last case's checkpoint to DIR/checkpoints.
+HF_CASES run; with `fsdp`, the ranks shard the policy (train.strategy=fsdp; the built-in GPT too, also
+on HF_CASES only) and rank 0 also writes the last case's checkpoint to DIR/checkpoints.
 """
 
 import itertools
@@ -90,15 +90,17 @@ def _case_config(i: int, loss: str, agg: str, beta: float, mb: int, extra: str, 
                               f"train.output_dir={out}", f"train.strategy={strategy}", *EXTRA[extra]])
 
 
-def run(data: Path, out: Path | None, strategy: str = "ddp") -> dict:
-    """Updated weights per case; this process's share of the rows when launched with several ranks."""
+def run(data: Path, out: Path | None, strategy: str = "ddp", cases: list | None = None) -> dict:
+    """Updated weights per case; this process's share of the rows when launched with several ranks.
+    `cases`: default HF_CASES for the Llama or with fsdp, else CASES."""
     world = dist.init("cpu")
     hf = (data / "llama").is_dir()
+    cases = cases if cases is not None else HF_CASES if hf or strategy == "fsdp" else CASES
     saved = torch.load(data / "rollouts.pt", weights_only=False)
     gen = Generation(**saved["gen"])
     N = len(saved["rewards"])
     results = {}
-    for i, (loss, agg, beta, mb, extra) in enumerate(HF_CASES if hf else CASES):
+    for i, (loss, agg, beta, mb, extra) in enumerate(cases):
         # this rank's rows: an even split, or (uneven) 3 groups on rank 0 and 1 on rank 1
         cuts = [0, 3 * G, N] if extra == "uneven" and world.size == 2 else \
             [r * N // world.size for r in range(world.size + 1)]

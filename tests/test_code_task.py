@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,9 +219,20 @@ print(os.getuid(), ok.status, seen.detail)
 def test_an_unprivileged_trainer_gets_the_same_sandbox():
     """The non-root path: the sandbox's root maps to the trainer's own uid (here 'nobody', with the system
     Python, which that user can run); the program sees uid 0 of its namespace and the same bare root."""
-    runner = ROOT / "grpolab" / "sandbox" / "runner.py"
-    out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", NON_ROOT, str(runner)],
-                         capture_output=True, text=True, timeout=60, cwd="/")
+    # 'nobody' may not be able to reach the checkout (a clone inside a 0700 dir, a private home): stage the
+    # sandbox's files (standard library only) in a fresh dir it can read and root alone can write
+    staged = Path(tempfile.mkdtemp(prefix="grpolab-sandbox-src-", dir="/tmp"))
+    try:
+        for src in (ROOT / "grpolab" / "sandbox").glob("*.py"):
+            if src.name != "__init__.py":
+                shutil.copyfile(src, staged / src.name)
+                (staged / src.name).chmod(0o644)
+        staged.chmod(0o755)
+        out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", NON_ROOT,
+                              str(staged / "runner.py")], capture_output=True, text=True, timeout=60, cwd="/",
+                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "TMPDIR": "/tmp"})
+    finally:
+        shutil.rmtree(staged)
     assert out.returncode == 0, out.stderr[-2000:]
     uid, status, detail = out.stdout.strip().split(" ", 2)
     assert uid != "0" and status == "passed"

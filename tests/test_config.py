@@ -26,7 +26,8 @@ def test_yaml_then_overrides(tmp_path):
     ("rollout.temprature=0.5", "unknown config key 'rollout.temprature'; did you mean rollout.temperature?"),
     ("nosuch.key=1", "unknown config key 'nosuch.key'"),
     ("rollout.temperature=hot", "rollout.temperature: expected float, got 'hot'"),
-    ("rollout.temperature=0", "rollout.temperature: must be > 0"),
+    ("rollout.temperature=0", "rollout.temperature: must be >= 1e-05"),
+    ("rollout.temperature=1e-300", "rollout.temperature: must be >= 1e-05"),   # logits / T would overflow float32
     ("rollout.num_generations=1", "rollout.num_generations: must be >= 2"),
     ("algorithm.epsilon=1.5", "algorithm.epsilon: must be in (0, 1)"),
     ("algorithm.beta=-1", "algorithm.beta: must be >= 0"),

@@ -91,12 +91,13 @@ def test_resume_refuses_a_checkpoint_holding_a_pickled_object(tmp_path):
     """optimizer.pt loads with weights_only=True: a pickled object is refused in one line, never run."""
     import torch
     from test_grpo import make_trainer
-    from test_trainer_checkpoint import _Payload
+    from test_trainer_checkpoint import _Payload, reseal
     tr = make_trainer(tmp_path / "run", "sft.steps=0", "reward.functions=[length]")
     tr.train_step()
     ckpt = tr.save()
     marker = tmp_path / "was_run"
     torch.save({"optimizer": _Payload(marker), "scheduler": None}, ckpt / "optimizer.pt")
+    reseal(ckpt)   # a consistent manifest: the weights_only refusal behind it must still hold
     r = run_cli("train", *QUICK, f"train.output_dir={tmp_path / 'run'}", f"train.resume={ckpt}")
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]

@@ -65,7 +65,10 @@ def test_eval_every_rows_equal_grpolab_eval_of_that_checkpoint(tmp_path):
     r = run_cli("train", *args, f"train.output_dir={run}")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [sorted(k for k in m if k.startswith("eval/")) != [] for m in rows] == [False, True, False]
+    # eval_every's at step 2, and the final eval with the last step's row (as eval.json has it)
+    assert [sorted(k for k in m if k.startswith("eval/")) != [] for m in rows] == [False, True, True]
+    assert {k[5:]: v for k, v in rows[2].items() if k.startswith("eval/")} == \
+        json.loads((run / "eval.json").read_text())
     logged = {k[5:]: v for k, v in rows[1].items() if k.startswith("eval/")}
     assert set(logged) == {"greedy_accuracy", "pass@1", "pass@2", "pass@4", "maj@4"}
     r = run_cli("eval", str(run / "checkpoints" / "step_2"), "--out", str(tmp_path / "ev"), *args)

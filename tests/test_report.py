@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from grpolab.logging.report import PLOTS, write_report
+from grpolab.logging.report import OFFLINE_PLOTS, PLOTS, eval_endpoints, write_report
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 STEPS = 20
@@ -105,7 +105,7 @@ def test_full_report_tables_samples_config(full_run):
     assert "late answer 3" in page and "late answer 4" not in page
     assert "middle step completion" not in page
     assert "What is 0 + 1?" in page and "[system] Think, then answer after ####." in page
-    assert "math_accuracy=1" in page and "format=—" in page
+    assert "math_accuracy=1" in page and "format=–" in page
     # config, escaped inside <pre>
     assert "&lt;not a tag&gt;" in page and "max_steps: 20" in page
 
@@ -141,3 +141,64 @@ def test_without_matplotlib_still_writes_tables(tmp_path, monkeypatch):
     page = write_report(tmp_path).read_text(encoding="utf-8")
     assert "pip install matplotlib" in page and "data:image/png" not in page
     assert "0.4375" in page and "eval.json" in page
+
+
+# ---------------------------------------------------------------- short runs: the before/after eval
+
+C0 = (31, 119, 180)   # matplotlib's first colour: the first eval metric's markers; a placeholder is grey text
+
+
+def _c0_pixels(png: bytes) -> int:
+    from PIL import Image
+    with Image.open(io.BytesIO(png)) as im:
+        raw = im.convert("RGB").tobytes()
+    return sum(1 for i in range(0, len(raw), 3) if all(abs(raw[i + j] - C0[j]) <= 12 for j in range(3)))
+
+
+def test_eval_endpoints_prefer_summary_then_eval_files():
+    summary = {"before": {"greedy_accuracy": 0.1}, "after": {"greedy_accuracy": 0.4}}
+    ev, ev_before = {"greedy_accuracy": 0.5, "pass@1": 0.3}, {"eval/greedy_accuracy": 0.2}
+    assert eval_endpoints(summary, ev, ev_before) == ({"greedy_accuracy": 0.1}, {"greedy_accuracy": 0.4})
+    # `grpolab train` writes no summary.json; sft's eval_before.json keeps the eval/ prefix
+    assert eval_endpoints(None, ev, ev_before) == ({"greedy_accuracy": 0.2}, ev)
+    # a fresh model's summary has an empty "before": eval_before.json is empty too
+    assert eval_endpoints({"before": {}, "after": {"loss": 2.0}}, None, {}) == ({}, {"loss": 2.0})
+    assert eval_endpoints(None, None, None) == ({}, {})
+
+
+def test_short_run_plots_the_final_eval_from_eval_json(tmp_path):
+    """A short `grpolab train` run: no eval rows in metrics.jsonl, no summary.json, but eval.json. The eval
+    plot draws it (at the last step) instead of saying "not logged"; without eval.json it is a placeholder."""
+    rows = [_metrics_row(s, full=False) for s in range(1, 4)]
+    for name, with_eval in (("bare", False), ("short", True)):
+        d = tmp_path / name
+        d.mkdir()
+        _write_jsonl(d / "metrics.jsonl", rows)
+        if with_eval:
+            (d / "eval.json").write_text(json.dumps({"greedy_accuracy": 0.375, "pass@1": 0.25, "maj@8": 0.5}))
+        write_report(d)
+    placeholder = (tmp_path / "bare" / "report" / "eval.png").read_bytes()
+    drawn = (tmp_path / "short" / "report" / "eval.png").read_bytes()
+    _check_png(drawn)
+    assert _c0_pixels(placeholder) == 0
+    assert _c0_pixels(drawn) > 20   # greedy_accuracy's diamond
+
+
+def test_offline_run_plots_before_and_after_and_prints_a_dash_for_no_value(tmp_path):
+    """sft from a fresh model: summary.json's before is empty and eval_before.json is {}; a NaN (no
+    value) in any table is printed as a dash, never "nan"."""
+    _write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "loss": 3.0 - 0.1 * s, "grad_norm": 1.0, "lr": 1e-3}
+                                               for s in range(1, 4)])
+    (tmp_path / "eval_before.json").write_text("{}")
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"job": "sft", "before": {"loss": float("nan")}, "after": {"loss": 2.5, "greedy_accuracy": 0.125},
+         "steps": 3, "seed": 0}))
+    (tmp_path / "eval.json").write_text(json.dumps({"loss": 2.5, "greedy_accuracy": 0.125, "pass@8": float("nan")}))
+    page = write_report(tmp_path).read_text(encoding="utf-8")
+    assert {p.stem for p in (tmp_path / "report").glob("*.png")} == set(OFFLINE_PLOTS)
+    assert _c0_pixels((tmp_path / "report" / "eval.png").read_bytes()) > 20
+    cells = re.findall(r"<td>([^<]*)</td>", page)
+    assert "nan" not in [c.lower() for c in cells] and "NaN" not in page
+    # loss: before (NaN) -> dash, after 2.5, change -> dash; pass@8's NaN in eval.json -> dash
+    assert re.search(r"<td>loss</td><td>–</td><td>2\.5</td><td>–</td>", page), page
+    assert re.search(r"<td>pass@8</td><td>–</td>", page)

@@ -16,7 +16,8 @@ nothing connected to a socket the test listens on at 127.0.0.1.
 
 Holes found while writing this file stay as tests (the `inject_*` rows of the step, and
 `test_no_hole_*`, which need two programs in one sandbox in a known order and so call the
-reward directly).
+reward directly; since issue 34 each program there has PID, IPC and mount namespaces of its own,
+and these keep checking that nothing one leaves reaches the next).
 """
 
 from __future__ import annotations
@@ -676,7 +677,7 @@ def test_the_trainer_applies_reward_code_exec_to_a_user_reward_calling_code_exec
 
 # ---------------------------------------------------------------------------- holes between programs
 # These need two programs in one sandbox, in a known order: the reward is called directly (the same
-# code_exec, max_concurrent=1: one sandbox judges the jobs in order).
+# code_exec, max_concurrent=1: one sandbox judges the jobs in order, each confined in namespaces of its own).
 HONEST_STDIO = "print(int(input()) + 1)\n"
 STDIO_CASES = [{"input": "1", "output": "2"}]
 

@@ -2,6 +2,8 @@
 refuses anything but tensors and plain containers (torch.load weights_only=True)."""
 
 import copy
+import hashlib
+import json
 import shutil
 
 import pytest
@@ -18,6 +20,16 @@ def _weights(model):
 
 def _same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def reseal(path):
+    """Rewrite a checkpoint's manifest.json to match its files as they are now: what someone who
+    tampers with a file can also do; the checks behind the manifest must still hold."""
+    m = json.loads((path / "manifest.json").read_text())
+    for rel in m["files"]:
+        data = (path / rel).read_bytes()
+        m["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(m))
 
 
 def test_resaving_a_step_leaves_a_valid_checkpoint_between_every_two_operations(tmp_path):
@@ -103,6 +115,7 @@ def test_a_checkpoint_with_a_pickled_object_is_refused(tmp_path, name):
     path = tr.save()
     marker = tmp_path / "was_run"
     torch.save({"optimizer": _Payload(marker), "scheduler": None, "torch": _Payload(marker)}, path / name)
+    reseal(path)
     with pytest.raises(CheckpointError, match=rf"{name}.*only tensors and plain containers"):
         tr.restore(path)
     assert not marker.exists()   # the payload never ran
@@ -114,5 +127,10 @@ def test_a_truncated_checkpoint_file_is_one_clear_error(tmp_path):
     path = tr.save()
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[:len(data) // 2])
+    # the manifest finds it by size, before torch reads it
+    with pytest.raises(CheckpointError, match=rf"optimizer\.pt: {len(data) // 2} bytes, but manifest\.json says "
+                                              rf"{len(data)} \(truncated"):
+        tr.restore(path)
+    reseal(path)   # a consistent manifest (or none): torch's own failure is still one clear line
     with pytest.raises(CheckpointError, match=r"optimizer\.pt: cannot be read .*resume from an earlier checkpoint"):
         tr.restore(path)

@@ -12,8 +12,11 @@ reward functions receive dataset columns by name.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Callable, Iterable
+
+from .messages import canonical_role, role_problem
 
 SPLIT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -58,9 +61,9 @@ def _read_file(path: Path, split: str | None) -> list[dict]:
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    # utf-8-sig: tolerate the byte-order mark some editors write
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:   # bytes, decoded line by line: a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -68,6 +71,8 @@ def _read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {lineno}: invalid JSON ({e.msg} at column {e.colno}); "
                                 "each line must be one complete JSON object") from None
+            except RecursionError:
+                raise DataError(f"{path}: line {lineno}: {_TOO_DEEP}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}; "
                                 "each line must be one object like {\"prompt\": ..., \"answer\": ...}")
@@ -75,12 +80,52 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _read_json(path: Path, split: str | None) -> list[dict]:
+# Python's json parser recurses once per level of [ or {, and stops near the interpreter's recursion limit
+_TOO_DEEP = ("JSON nested too deeply to read (lists or objects inside each other more than about "
+             f"{sys.getrecursionlimit() - 50} levels); flatten the row")
+
+
+def _decode(raw: bytes, path: Path, first_line: int = 1) -> str:
+    """`raw` (the file's bytes from line `first_line` on) as text: UTF-8, a leading byte-order mark (which
+    some editors write) dropped; DataError naming the line and byte that are not UTF-8."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {col} of the line); "
+                        f"save the file as UTF-8") from None
+
+
+def _deep_line(text: str, depth: int) -> int:
+    """The line where brackets outside strings first nest more than `depth` levels (1 if never)."""
+    level, line, in_string, escaped = 0, 1, False, False
+    for ch in text:
+        if ch == "\n":
+            line += 1
+        elif in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            level += 1
+            if level > depth:
+                return line
+        elif ch in "]}":
+            level -= 1
+    return 1
+
+
+def _read_json(path: Path, split: str | None) -> list[dict]:
+    text = _decode(path.read_bytes(), path)
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: line {e.lineno}: invalid JSON ({e.msg}); for one object per line "
                         "name the file .jsonl") from None
+    except RecursionError:
+        line = _deep_line(text, sys.getrecursionlimit() - 100)
+        raise DataError(f"{path}: line {line}: {_TOO_DEEP}") from None
     if isinstance(data, dict):
         # {"data": [...]} is common; {"train": [...], "test": [...]} with a split also works
         key = split if split is not None and isinstance(data.get(split), list) else "data"
@@ -230,9 +275,19 @@ def _check_prompt(prompt: object, where: str) -> str | list[dict]:
     if isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in prompt):
-        return [dict(m) for m in prompt]  # copies, so suffixes never edit the caller's rows
+        check_roles(prompt, where, "prompt")
+        # copies, so suffixes never edit the caller's rows
+        return [{**m, "role": canonical_role(m["role"])} for m in prompt]
     raise DataError(f"{where}: prompt must be a string or a non-empty list of "
                     f"{{'role': str, 'content': str}} messages, got {_preview(prompt)}")
+
+
+def check_roles(messages: list[dict], where: str, what: str) -> None:
+    """DataError naming the first message whose role the server would refuse too (data/messages.py)."""
+    for j, m in enumerate(messages):
+        problem = role_problem(m["role"])
+        if problem:
+            raise DataError(f"{where}: {what} message {j}: {problem}")
 
 
 def _add_suffix(prompt: str | list[dict], suffix: str, where: str) -> str | list[dict]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from .loading import DataError, _preview
-from .supervised import _messages, as_sft_row
+from .supervised import _messages, as_sft_row, encode, fit_length
 
 
 def _side(value: object, where: str, name: str):
@@ -72,3 +72,36 @@ def preference_rows(records: list[dict], source: str = "", margin: bool = False)
 def side_row(pair: dict, side: str) -> dict:
     """The chosen or rejected side of a pair as an SFT row."""
     return as_sft_row(pair["prompt"], pair[side])
+
+
+def fit_pairs(pairs: list[dict], tokenizer, max_length: int, source: str = "") -> tuple[list[dict], list[int]]:
+    """(the pairs both of whose sides keep a completion token within `max_length` tokens, the 1-based rows
+    of the others). DPO cuts each side to the model's context, and a side whose prompt fills the context
+    has nothing left to train on; a batch of only such pairs left the trainer nothing (`range() arg 3
+    must not be zero` mid-run), so they are found before training. DataError naming the rows when no pair fits."""
+    kept, dropped, sizes = [], [], []
+    for i, p in enumerate(pairs, start=1):
+        sides = [encode(tokenizer, side_row(p, s)) for s in ("chosen", "rejected")]
+        if all(e is not None for e in fit_length(sides, max_length, "truncate")[0]):
+            kept.append(p)
+        else:
+            dropped.append(i)
+            if len(sizes) < 5:   # the prompt lengths the message shows
+                sizes.append(len(tokenizer.render_prompt(p["prompt"])))
+    if not kept:
+        where = f"{source}: " if source else ""
+        shown = ", ".join(f"row {i} ({n})" for i, n in zip(dropped[:5], sizes))
+        more = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+        raise DataError(f"{where}no pair fits the model's context of {max_length} tokens: the prompts (tokens, "
+                        f"template included) of {shown}{more} leave no room for a chosen or rejected token; "
+                        f"shorten the prompts or use a model with a longer context")
+    return kept, dropped
+
+
+def heldout_size(eval_size: int | None, n_pairs: int) -> int:
+    """Pairs held out of `n_pairs` for the reward model's eval: `eval_size` when given (rm.eval_size),
+    else 10% of them, at least 1 and at most 200 (none from a single pair): a default that fits a
+    file of 20 pairs and a file of 20,000."""
+    if eval_size is not None:
+        return eval_size
+    return 0 if n_pairs < 2 else min(200, max(1, n_pairs // 10))

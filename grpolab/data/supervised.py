@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.padding import pad_sequences
-from .loading import DataError, _preview
+from .loading import DataError, _preview, check_roles
+from .messages import canonical_role
 
 MESSAGES_KEY = "messages"
 
@@ -33,7 +34,8 @@ def _messages(value: object, where: str, what: str) -> list[dict]:
     if isinstance(value, list) and value and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
+        check_roles(value, where, what)
+        return [{"role": canonical_role(m["role"]), "content": m["content"]} for m in value]
     raise DataError(f"{where}: {what} must be a non-empty list of {{'role': str, 'content': str}} messages, "
                     f"got {_preview(value)}")
 

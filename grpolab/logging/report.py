@@ -1,9 +1,9 @@
 """A self-contained HTML report of a run directory: `write_report(run_dir) -> run_dir/report.html`.
 
 Reads what training writes (metrics.jsonl; optionally samples.jsonl, summary.json, eval.json,
-config.yaml), draws the training curves with matplotlib (PNG files under run_dir/report/, also
-embedded in the HTML as base64 data URIs so the page stands alone), and lists sampled completions
-from the first and last logged step. Every plot is always written: one whose data the run did not
+eval_before.json, config.yaml), draws the training curves with matplotlib (PNG files under
+run_dir/report/, also embedded in the HTML as base64 data URIs so the page stands alone), and lists
+sampled completions from the first and last logged step. Every plot is always written: one whose data the run did not
 log says so, so the set of files is the same for every run.
 """
 
@@ -22,6 +22,7 @@ OFFLINE_PLOTS = ("loss", "eval", "grad_lr")   # sft, distill; dpo adds "preferen
 TIME_ORDER = ("time/generate", "time/reward", "time/ref_and_advantages", "time/update")
 SAMPLES_PER_END = 4
 NOT_LOGGED = "not logged in this run"
+NO_VALUE = "–"   # a cell with no value (missing, or NaN: a fresh model's "before"), as on the console
 
 
 # ---------------------------------------------------------------------------- reading
@@ -90,12 +91,14 @@ def _keys(rows: list[dict]) -> list[str]:
 
 def _fmt(v) -> str:
     if v is None:
-        return "—"
+        return NO_VALUE
     if isinstance(v, bool):
         return str(v)
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
+        if math.isnan(v):   # no value, not a number to read (an inf loss is one: it stays "inf")
+            return NO_VALUE
         if not math.isfinite(v):
             return str(v)
         if abs(v) >= 1e3:
@@ -159,12 +162,22 @@ def _plot_reward(ax, rows, keys) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
-def _plot_eval(ax, rows, keys, summary, last_step) -> None:
+def eval_endpoints(summary, ev, ev_before) -> tuple[dict, dict]:
+    """(before, after): the held-out eval of the starting and the final model, from summary.json's
+    before/after, else from eval_before.json / eval.json (`grpolab train` writes no summary.json; a
+    short run logs no eval rows to metrics.jsonl). Keys without the 'eval/' prefix."""
+    def plain(d) -> dict:
+        return {k.removeprefix("eval/"): v for k, v in d.items()} if isinstance(d, dict) else {}
+    summary = summary if isinstance(summary, dict) else {}
+    return plain(summary.get("before")) or plain(ev_before), plain(summary.get("after")) or plain(ev)
+
+
+def _plot_eval(ax, rows, keys, before: dict, after: dict, last_step) -> None:
+    """eval/* rows of metrics.jsonl over the steps, and the before (step 0) and after (last step) evals."""
     eval_keys = [k for k in keys if k.startswith("eval/")]
-    before = (summary or {}).get("before") or {}
-    after = (summary or {}).get("after") or {}
     names = [n for n in dict.fromkeys([k[len("eval/"):] for k in eval_keys] + list(before) + list(after))
-             if n != "loss"]   # a loss, on the loss plot; the rest are accuracies
+             if n != "loss" and not isinstance(before.get(n, after.get(n)), (dict, list))]
+    # (a loss goes on the loss plot; the rest are accuracies)
     drew = False
     for i, name in enumerate(names):
         color = f"C{i % 10}"
@@ -296,11 +309,12 @@ def _plot_timing(ax, rows, keys) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
 
-def _draw_plots(rows, summary, out_dir: Path) -> list[tuple[str, str]]:
+def _draw_plots(rows, summary, out_dir: Path, endpoints: tuple[dict, dict] = ({}, {})) -> list[tuple[str, str]]:
     """Write out_dir/<name>.png for each of PLOTS; returns [(name, base64 PNG)].
 
-    Uses matplotlib's object API (Figure + the Agg canvas) rather than pyplot, so it neither
-    switches the caller's backend nor leaves figures registered anywhere."""
+    `endpoints`: (before, after) held-out evals (eval_endpoints). Uses matplotlib's object API
+    (Figure + the Agg canvas) rather than pyplot, so it neither switches the caller's backend nor
+    leaves figures registered anywhere."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -310,7 +324,7 @@ def _draw_plots(rows, summary, out_dir: Path) -> list[tuple[str, str]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     drawers = {
         "reward": lambda ax: _plot_reward(ax, rows, keys),
-        "eval": lambda ax: _plot_eval(ax, rows, keys, summary, last_step),
+        "eval": lambda ax: _plot_eval(ax, rows, keys, *endpoints, last_step),
         "length": lambda ax: _plot_twin(ax, rows, "completion length", "completion length",
                                         ("completions/mean_length", "mean length (tokens)"),
                                         ("completions/clipped_ratio", "clipped ratio (hit max_new_tokens)"), "C3",
@@ -399,7 +413,7 @@ def _samples_block(title: str, recs: list[dict]) -> str:
     parts = [f"<h3>{_e(title)}</h3>"]
     for r in recs:
         rewards = r.get("rewards") or {}
-        rew = ", ".join(f"{name}={_fmt(_num(v)) if v is not None else '—'}" for name, v in rewards.items()) \
+        rew = ", ".join(f"{name}={_fmt(_num(v))}" for name, v in rewards.items()) \
             if isinstance(rewards, dict) else str(rewards)
         parts.append(
             '<div class="sample">'
@@ -450,13 +464,14 @@ def write_report(run_dir: str | Path) -> Path:
     samples = _read_jsonl(run_dir / "samples.jsonl")
     summary = _read_json(run_dir / "summary.json")
     ev = _read_json(run_dir / "eval.json")
+    endpoints = eval_endpoints(summary, ev, _read_json(run_dir / "eval_before.json"))
     config_path = run_dir / "config.yaml"
     config_text = config_path.read_text(encoding="utf-8", errors="replace") if config_path.is_file() else None
 
     note = ""
     try:
         import matplotlib  # noqa: F401 - only to find out whether plots can be drawn
-        images = _draw_plots(rows, summary if isinstance(summary, dict) else None, run_dir / "report")
+        images = _draw_plots(rows, summary if isinstance(summary, dict) else None, run_dir / "report", endpoints)
     except ImportError:
         images = []
         note = '<p class="note">No plots: they need matplotlib (pip install matplotlib).</p>'
@@ -522,7 +537,7 @@ def write_pipeline_report(root: str | Path) -> Path:
             note = f"{st.get('pairs', st.get('accepted'))} {'pairs' if s.get('pairs') else 'rows'} from {st.get('samples')} samples"
         link = f'<a href="{_e(Path(s.get("dir", "")).name)}/report.html">{_e(label)}</a>' \
             if s.get("checkpoint") or s.get("reward_model") else _e(label)
-        rows.append([link] + [_fmt(ev.get(m)) if m in ev else "—" for m in metrics] + [_e(note)])
+        rows.append([link] + [_e(ev.get(m)) for m in metrics] + [_e(note)])
     table = "<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in ["stage", *metrics, "note"]) + "</tr>" + \
         "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
     img = ""

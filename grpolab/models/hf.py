@@ -11,11 +11,17 @@ prompts and right-padded completions see exactly the positions they would see al
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from ..config import ConfigError
+from ..data.loading import DataError
 from .lean_decode import LeanCache, LeanDecoder, unsupported_reason
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,9 +51,7 @@ class HFTokenizer:
         if self.tools and isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
-            if not getattr(self.tok, "chat_template", None):
-                raise ValueError("conversational prompt, but the tokenizer has no chat_template; "
-                                 "use plain-text prompts or a tokenizer with a template")
+            self._need_template("a prompt is a list of chat messages")
             text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
                                                 **({"tools": self.tools} if self.tools else {}))
             return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -58,9 +62,7 @@ class HFTokenizer:
         each assistant message from index `train_from` on as the template renders it (its end-of-turn
         token included): the text between the template of the messages before it (with the
         generation prompt) and the template up to and including it."""
-        if not getattr(self.tok, "chat_template", None):
-            raise ValueError("conversational rows need a chat template, and the tokenizer has none; "
-                             "use prompt/completion text rows or a tokenizer with a template")
+        self._need_template("a row is a conversation (chat messages)")
 
         def text(msgs, gen=False):
             return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
@@ -78,6 +80,16 @@ class HFTokenizer:
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         mask = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
+
+    def _need_template(self, why: str) -> None:
+        """DataError (a ValueError: the server answers it with a 400) when the tokenizer has no chat
+        template. Every training prompt and row is rendered once before training starts, so this
+        stops the run there, not mid-run."""
+        if not getattr(self.tok, "chat_template", None):
+            name = getattr(self.tok, "name_or_path", "") or "the model"
+            raise DataError(f"{why}, but the tokenizer of {name} has no chat template; give plain-text "
+                            f"prompt/completion rows (and no data.system_prompt, which makes prompts "
+                            f"messages), or a model with a chat template (an -Instruct one)")
 
     def render_completion(self, completion: str) -> list[int]:
         return [*self.tok(completion, add_special_tokens=False)["input_ids"], self.eos_id]
@@ -230,12 +242,58 @@ def _stop_ids_from(model) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, key: str = "model.device") -> torch.device:
+    """The torch device for `device` (cpu | cuda | cuda:N | auto); ConfigError naming `key` (the config key
+    or flag it came from) when it asks for CUDA that this machine does not have."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"model.device: {device!r} requested but CUDA is not available; use cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"{key}: {device!r}, but {why}; use cpu (or auto: CUDA where there is one)")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ConfigError(f"{key}: {device!r}, but this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return torch.device(device)
+
+
+HUB_PROBE_TIMEOUT = 5.0   # seconds to wait for the hub's answer before counting it unreachable
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be asked for files (HF_HUB_OFFLINE, or one request to its endpoint
+    failed), or None. huggingface_hub retries an unreachable hub 5 times per file with backoff, printing
+    two lines a try (12 lines, about 46 s, for a model and its tokenizer): one request says it first."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=HUB_PROBE_TIMEOUT)
+    except urllib.error.HTTPError:
+        return None   # the hub answered (with an error status): it is reachable
+    except (OSError, ValueError) as e:   # URLError, timeouts, refused connections; ValueError: a malformed endpoint
+        reason = getattr(e, "reason", None) or e
+        return f"the hub at {constants.ENDPOINT} cannot be reached ({reason})"
+    return None
+
+
+@contextlib.contextmanager
+def quiet_hub(offline: bool = False):
+    """Within: huggingface_hub's retry warnings are not printed (the caller reports a failure in one line);
+    with `offline`, nothing asks the hub (files come from the Hugging Face cache). HF_HUB_OFFLINE is read
+    once, when huggingface_hub is imported, so its constant is set here: `local_files_only` alone does not
+    reach every lookup (transformers' adapter_config.json check asks the hub again, with retries)."""
+    from huggingface_hub import constants
+    log = logging.getLogger("huggingface_hub")
+    level, was_offline = log.level, constants.HF_HUB_OFFLINE
+    log.setLevel(logging.ERROR)
+    constants.HF_HUB_OFFLINE = was_offline or offline
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+        constants.HF_HUB_OFFLINE = was_offline
 
 
 def load_hf(name_or_path: str, dtype: str = "float32", device: str = "cpu",
@@ -254,14 +312,22 @@ def load_hf(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     if looks_local and not (local / "config.json").is_file():
         raise FileNotFoundError(f"model.name_or_path: {name_or_path!r} is not a model directory "
                                 f"(no config.json); give a saved Hugging Face model or a hub id")
+    device = resolve_device(device)   # before the download: a CUDA mistake is found at once
+    # a hub id the hub cannot be asked for: the Hugging Face cache alone, with no retries
+    offline = None if looks_local else hub_unreachable()
+    opts = {"trust_remote_code": trust_remote_code, **({"local_files_only": True} if offline else {})}
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype],
-                                                     trust_remote_code=trust_remote_code)
+        with quiet_hub(offline=bool(offline)):
+            tok = AutoTokenizer.from_pretrained(name_or_path, **opts)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], **opts)
     except OSError as e:
+        if offline:
+            raise FileNotFoundError(f"model.name_or_path: {name_or_path!r} is not a local directory nor in the "
+                                    f"Hugging Face cache, and {offline}; download it where there is a network "
+                                    f"(`hf download {name_or_path}`) or give a model directory") from None
         raise FileNotFoundError(f"model.name_or_path: could not load {name_or_path!r} "
                                 f"({str(e).splitlines()[0]})") from None
-    model.to(resolve_device(device))
+    model.to(device)
     model.eval()
     return HFPolicy(model), HFTokenizer(tok, extra_stop_ids=_stop_ids_from(model))
 

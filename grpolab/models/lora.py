@@ -16,6 +16,8 @@ from pathlib import Path
 
 from torch import nn
 
+from ..config import ConfigError
+
 
 def _peft():
     try:
@@ -34,8 +36,23 @@ def block_linear_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+def check_targets(targets: list[str], model: nn.Module) -> None:
+    """Each of model.lora_target_modules names a linear layer of `model` (its last name part, or a dotted
+    tail such as self_attn.q_proj, as peft matches them); ConfigError listing the layers there are. peft
+    drops a name that matches nothing without a word while another one matches, and otherwise fails with
+    a long error."""
+    linear = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for t in targets:
+        if not any(name == t or name.endswith("." + t) for name in linear):
+            names = sorted({name.rsplit(".", 1)[-1] for name in linear})
+            raise ConfigError(f"model.lora_target_modules: {t!r} matches no linear layer of the model; its linear "
+                              f"layers are {', '.join(names) or 'none'}")
+
+
 def lora_config(m, model: nn.Module) -> dict:
     """peft LoraConfig arguments from the `model` config section."""
+    if m.lora_target_modules:
+        check_targets(list(m.lora_target_modules), model)
     return {"r": m.lora_rank, "lora_alpha": m.lora_alpha, "lora_dropout": m.lora_dropout,
             "target_modules": list(m.lora_target_modules or block_linear_names(model))}
 

@@ -16,7 +16,9 @@ Tests, from the row's columns:
   this function as `answer`. Each case is one test: the program reads the input on stdin and passes
   when it exits 0 and prints the output (trailing whitespace ignored).
 A row with no tests gets None (not applicable). Programs run `reward.code_exec.max_concurrent` at a
-time; each is killed at `reward.code_exec.timeout`, and the tests it had not passed by then fail.
+time, each confined in PID, IPC and mount namespaces of its own (its own /tmp and shared memory:
+nothing one leaves reaches another); each is killed at `reward.code_exec.timeout`, and the tests it
+had not passed by then fail.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def configure(cfg, warn=None, check: bool = True) -> None:
     rewards that call code_exec); with `check`, make sure the sandbox works here (SandboxError with
     the fix if not). Warns when the sandbox is off."""
     SETTINGS.limits = Limits(timeout=cfg.timeout, memory_mb=cfg.memory_mb, max_procs=cfg.max_procs,
-                             max_output=cfg.max_output)
+                             max_output=cfg.max_output, tmp_mb=cfg.tmp_mb, tmp_inodes=cfg.tmp_inodes,
+                             shm_mb=cfg.shm_mb)
     SETTINGS.max_concurrent = cfg.max_concurrent
     SETTINGS.unsafe = cfg.unsafe_no_sandbox
     if cfg.unsafe_no_sandbox:

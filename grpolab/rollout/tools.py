@@ -194,7 +194,8 @@ class ToolRunner:
                 text, err = f"error: {name} timed out after {self.timeout}s", True
             except ToolCallError as e:
                 text, err = f"error: {e}", True
-            except Exception as e:   # noqa: BLE001 - a tool that raises tells the model why
+            except (Exception, SystemExit) as e:   # noqa: BLE001 - a tool that raises tells the model why
+                # (sys.exit() in a tool too: re-raised here it would end the whole run with its exit code)
                 text, err = f"error: {type(e).__name__}: {e}", True
             out.append(CallRecord(name, args, truncate(text, self.max_output_chars), err))
         return out

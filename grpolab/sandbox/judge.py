@@ -37,6 +37,7 @@ except ImportError:   # run by launch.py as a plain script
     import wire
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+MSGQUEUE_BYTES = 256 << 10   # POSIX message queues' memory (outside RLIMIT_AS); see also isolate.ipc_ceilings
 
 
 class Timeout(BaseException):
@@ -65,7 +66,8 @@ class Judge:
         cpu = max(1, int(float(j["timeout"]) + 1))
         for res, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, j["memory_mb"] << 20),
                            (resource.RLIMIT_FSIZE, j["file_mb"] << 20), (resource.RLIMIT_NOFILE, 64),
-                           (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, j["max_procs"])):
+                           (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, j["max_procs"]),
+                           (resource.RLIMIT_MSGQUEUE, MSGQUEUE_BYTES)):
             soft, hard = resource.getrlimit(res)
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(res, (value, value))
@@ -350,7 +352,8 @@ def _clear(path: str) -> None:
 def main(batch: dict, isolated: bool, worker_src: str, report_fd: int) -> None:
     """Judge batch["programs"] one after another; one JSON line per program on `report_fd` as it
     finishes. Between programs every process the last one left is killed and the work dir is emptied;
-    when it cannot be emptied the judge stops, and the host runs the rest in a fresh sandbox."""
+    when it cannot be emptied the judge stops, and the host runs the rest in a fresh sandbox. (In the
+    sandbox, launch.py judges each program in namespaces of its own instead: see isolate.confine.)"""
     limits = {k: v for k, v in batch.items() if k != "programs"}
     for i, item in enumerate(batch["programs"]):
         try:

@@ -19,6 +19,48 @@ import judge  # noqa: E402
 JUDGE_MEMORY = 2 << 30
 
 
+def judge_each_confined(job: dict, worker: str, report_fd: int) -> None:
+    """In the sandbox's PID 1: each program judged by a child confined in namespaces of its own
+    (isolate.confine), one after another; its report comes back over a pipe and goes out under its
+    index. A child that gives none (the judge died) gets 'error'; the next program is unaffected."""
+    limits = {k: v for k, v in job.items() if k != "programs"}
+    for i, item in enumerate(job["programs"]):
+        r, w = os.pipe()
+        pid = isolate.confine(w, job["tmp_mb"], job["tmp_inodes"], job["shm_mb"])
+        if pid == 0:   # the program's judge, confined
+            os.close(r)
+            os.close(report_fd)
+            try:
+                report = judge.Judge({**limits, **item}, worker, True).run()
+            except Exception as e:  # noqa: BLE001 - a malformed test is this program's error, not the batch's
+                report = judge._report(0, 1, "error", f"the judge failed: {type(e).__name__}: {str(e)[:300]}")
+            data = json.dumps(report).encode()
+            while data:
+                data = data[os.write(w, data):]
+            os._exit(0)
+        os.close(w)
+        chunks = []
+        while True:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)   # the child's namespaces (its /tmp, its IPC objects) end with it
+        data = b"".join(chunks)
+        if data.startswith(b"ISOLATION "):   # the program could not be confined: never judged unconfined
+            os.write(report_fd, data.split(b"\n")[0] + b"\n")
+            return
+        try:
+            report = json.loads(data)
+            if not isinstance(report, dict) or set(report) != {"passed", "total", "status", "detail"}:
+                raise ValueError(report)
+        except ValueError:
+            code = os.waitstatus_to_exitcode(status)
+            report = judge._report(0, 1, "error", f"the judge gave no report (exit status {code})")
+        os.write(report_fd, (json.dumps({"i": i, "report": report}) + "\n").encode())
+
+
 def main() -> None:
     isolate.die_with_parent(int(sys.argv[1]))   # the trainer dies -> this launcher, then the sandbox under it
     job = json.loads(sys.stdin.buffer.read())
@@ -26,9 +68,8 @@ def main() -> None:
     sys.stdin.close()
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)   # fd 0 again, /dev/null
-    # one sandbox judges a batch of programs in turn (see judge.main)
-    if job["isolate"]:
-        isolate.enter(job["base"], job["show"], job["tmp_mb"])
+    if job["isolate"]:   # this process becomes the sandbox's PID 1 (see isolate)
+        isolate.enter(job["base"], job["show"])
         job["workdir"] = "/tmp"
     else:
         job["workdir"] = job["base"]
@@ -42,7 +83,10 @@ def main() -> None:
     # the worker can still be given reward.code_exec.memory_mb
     limit = max(JUDGE_MEMORY, (job["memory_mb"] + 1024) << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    judge.main(job, job["isolate"], worker, report)
+    if job["isolate"]:
+        judge_each_confined(job, worker, report)
+    else:   # one after another in the host's work dir, emptied between two (see judge.main)
+        judge.main(job, False, worker, report)
 
 
 if __name__ == "__main__":

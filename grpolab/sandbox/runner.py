@@ -1,8 +1,11 @@
-"""Run untrusted programs against tests, from the host side: one sandbox per program, in parallel.
+"""Run untrusted programs against tests, from the host side: batches of programs in parallel sandboxes.
 
-Each program gets a fresh `launch.py` process that enters its own namespaces (`isolate`) and runs
-the judge (`judge`); this side only sends the job, waits (never past the job's timeout plus a
-grace period, then kills the whole process group) and reads the judge's one-line report.
+A batch of programs gets a fresh `launch.py` process that enters its own namespaces (`isolate`:
+user, mount, PID, network, IPC, UTS) and judges each program in PID, IPC and mount namespaces of
+its own inside them (`isolate.confine`, `judge`); this side only sends the job, waits (never past
+the job's timeouts plus a grace period, then kills the whole process group) and reads the judge's
+one-line reports. Nothing a program leaves behind (processes, files in /tmp, SysV shared memory,
+message queues) outlives it or reaches the next program.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Limits:
     max_output: int = 1 << 20  # stdout bytes per stdio test case
     file_mb: int = 16          # largest file it may write
     tmp_mb: int = 64           # size of its private /tmp
+    tmp_inodes: int = 4096     # files and dirs in its /tmp (each costs kernel memory outside tmp_mb)
+    shm_mb: int = 16           # SysV shared memory its IPC namespace may hold, in all (outside memory_mb)
 
 
 @dataclass(frozen=True)
@@ -72,12 +77,13 @@ def run_program(program: str, tests: dict, limits: Limits = Limits(), *, unsafe:
 
 
 def run_batch(jobs: list[tuple[str, dict]], limits: Limits = Limits(), *, unsafe: bool = False) -> list[Verdict]:
-    """Verdicts of (program, tests) jobs judged one after another in one sandbox. Between two programs
-    the judge kills every process the first left and empties /tmp, so they cannot reach each other;
-    one sandbox per batch saves setting one up per program. When a sandbox stops early (the judge
-    could not empty /tmp, or died), the programs it had not judged go to a fresh one; a program
-    that stops the judge when it is the first one judged gets 'error'. Each sandbox is waited for at
-    most len(its jobs) * timeout plus a grace period."""
+    """Verdicts of (program, tests) jobs judged one after another in one sandbox, each program in PID,
+    IPC and mount namespaces of its own there (its own /tmp and shared memory, gone when it ends), so
+    they cannot reach each other; one sandbox per batch saves setting one up per program (a process
+    start-up: ~5x the cost of confining one). When a sandbox stops early (it died), the programs it
+    had not judged go to a fresh one; a program that stops it when it is the first one judged gets
+    'error'. Each sandbox is waited for at most len(its jobs) * timeout plus a grace period, every
+    program's set-up and teardown included."""
     out: list[Verdict] = []
     while len(out) < len(jobs):
         got = _one_sandbox(jobs[len(out):], limits, unsafe)
@@ -93,7 +99,7 @@ def _one_sandbox(jobs: list[tuple[str, dict]], limits: Limits, unsafe: bool) -> 
     batch = {"programs": [{"program": p, "tests": t} for p, t in jobs], "isolate": not unsafe, "base": base,
              "show": show, "python": exe, "timeout": limits.timeout, "memory_mb": limits.memory_mb,
              "max_procs": limits.max_procs, "max_output": limits.max_output, "file_mb": limits.file_mb,
-             "tmp_mb": limits.tmp_mb}
+             "tmp_mb": limits.tmp_mb, "tmp_inodes": limits.tmp_inodes, "shm_mb": limits.shm_mb}
     wait = len(jobs) * limits.timeout + max(5.0, limits.timeout)
     try:
         with _LIVE_LOCK:

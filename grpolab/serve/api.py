@@ -4,7 +4,12 @@
 Requests are validated here and turned into `Job`s; the batcher decodes every request's rows
 together in its own thread and reports each new token back to the request's event loop. Errors
 use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with status 400 for a bad
-request (so OpenAI clients raise BadRequestError).
+request (so OpenAI clients raise BadRequestError), 401 for a missing or wrong API key (with
+`--api-key`), 429 when the waiting queue is full (clients retry) and 500 for a failed step.
+
+Ceilings: one request may ask for at most `max_rows_per_request` rows (prompts × n; a 400 beyond),
+and at most `max_waiting` rows may wait for a place in the batch (a 429 beyond), so one huge
+request or a flood cannot hold the server for minutes or grow its memory without bound.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -24,13 +30,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from ..data.messages import canonical_role, role_problem
 from .batcher import BadSampling, Batcher, Choice, Job, SamplingParams, held_back
 
 
+# defaults of `grpolab serve --max-rows-per-request` and `--max-waiting` (rows = prompts × n)
+MAX_ROWS_PER_REQUEST = 1024
+MAX_WAITING = 4096
+
+
 class APIError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
 
 
 class _Sampling(BaseModel):
@@ -68,10 +83,15 @@ def _error_body(message: str, param: str | None = None, code: str | None = None,
 
 
 class Server:
-    """The app's state: the batcher (and its thread), the tokenizer, the served model's name."""
+    """The app's state: the batcher (and its thread), the tokenizer, the served model's name, the
+    ceilings on a request's rows and on the rows waiting, and the API key (None: none needed)."""
 
-    def __init__(self, batcher: Batcher, tok, name: str, context: int) -> None:
+    def __init__(self, batcher: Batcher, tok, name: str, context: int, *,
+                 max_rows_per_request: int = MAX_ROWS_PER_REQUEST, max_waiting: int = MAX_WAITING,
+                 api_key: str | None = None) -> None:
         self.batcher, self.tok, self.name, self.context = batcher, tok, name, context
+        self.max_rows_per_request, self.max_waiting = max_rows_per_request, max_waiting
+        self.api_key = api_key or None
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -88,6 +108,16 @@ class Server:
         if name != self.name:
             raise APIError(f"model {name!r} is not served here; this server serves {self.name!r} (GET /v1/models)",
                            "model", code="model_not_found")
+
+    def check_rows(self, prompts: int, n: int) -> None:
+        """A 400 for a request of more rows (prompts × n) than --max-rows-per-request, before any tokenizing."""
+        rows = prompts * max(n, 1)
+        if rows > self.max_rows_per_request:
+            asked = f"{prompts} prompts × n={n} = {rows} rows" if prompts > 1 else f"n={n} rows"
+            raise APIError(f"request too big: it asks for {asked}, but this server takes at most "
+                           f"{self.max_rows_per_request} rows (prompts × n) per request (--max-rows-per-request); "
+                           f"split it into smaller requests", "prompt" if prompts > 1 else "n",
+                           code="request_too_large")
 
     def _params(self, r: _Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if prompt_len >= self.context:
@@ -134,9 +164,9 @@ class Server:
         messages = []
         for i, m in enumerate(r.messages):
             role, content = m.get("role"), m.get("content")
-            if role not in ("system", "developer", "user", "assistant", "tool"):
-                raise APIError(f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
-                               f"messages[{i}].role")
+            problem = role_problem(role)   # the same rule as training data's
+            if problem:
+                raise APIError(f"messages[{i}].{problem}", f"messages[{i}].role")
             if isinstance(content, list):   # content parts: the text ones, joined
                 if any(not isinstance(x, dict) or x.get("type") != "text" for x in content):
                     raise APIError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
@@ -146,7 +176,7 @@ class Server:
             if not isinstance(content, str):
                 raise APIError(f"messages[{i}].content must be a string or a list of text parts",
                                f"messages[{i}].content")
-            messages.append({"role": "system" if role == "developer" else role, "content": content})
+            messages.append({"role": canonical_role(role), "content": content})
         try:
             return self.tok.render_prompt(messages)
         except ValueError as e:
@@ -157,6 +187,11 @@ class Server:
         """Submit one job per prompt; updates (each token when streaming, else each finished choice)
         arrive on `events` as (job number, choice index, text so far, done, tokens so far): a snapshot
         taken in the batcher's thread, so the text and the token count belong together."""
+        rows, waiting = len(prompts) * params.n, self.batcher.waiting_rows
+        if waiting + rows > self.max_waiting:   # refused whole: a request never waits half-queued
+            raise APIError(f"the server is busy: {waiting} rows are waiting for a place in the batch and this request "
+                           f"adds {rows}, over the server's limit of {self.max_waiting} (--max-waiting); retry later",
+                           status=429, code="queue_full", kind="rate_limit_error", headers={"Retry-After": "1"})
         jobs = []
         for k, ids in enumerate(prompts):
             def notify(job, choice, k=k):
@@ -179,11 +214,12 @@ def create_app(server: Server) -> FastAPI:
         server.stop()   # after uvicorn has let in-flight requests finish
 
     app = FastAPI(title="grpolab", lifespan=lifespan)
+    if server.api_key:
+        app.add_middleware(RequireKey, key=server.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        kind = "server_error" if e.status >= 500 else "invalid_request_error"
-        return JSONResponse(_error_body(e.message, e.param, e.code, kind), status_code=e.status)
+        return JSONResponse(_error_body(e.message, e.param, e.code, e.kind), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -205,7 +241,8 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         b = server.batcher
-        return {"status": "ok", "running": b.running, "waiting": b.waiting, "steps": b.steps}
+        return {"status": "ok", "running": b.running, "waiting": b.waiting, "waiting_rows": b.waiting_rows,
+                "steps": b.steps}
 
     @app.get("/v1/models")
     async def models():
@@ -217,6 +254,8 @@ def create_app(server: Server) -> FastAPI:
         server._check_model(r.model)
         if r.echo:
             raise APIError("echo is not supported", "echo")
+        p = r.prompt   # a list of strings or of id lists is a batch of prompts; checked before tokenizing them
+        server.check_rows(len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1, r.n)
         prompts = server.completion_prompts(r)
         params = server._params(r, max(len(p) for p in prompts), r.max_tokens, r.logprobs)
         return await _respond(server, r, prompts, params, chat=False, request=request)
@@ -224,6 +263,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(r: ChatRequest, request: Request):
         server._check_model(r.model)
+        server.check_rows(1, r.n)
         prompt = server.chat_prompt(r)
         top = (r.top_logprobs or 0) if r.logprobs else None
         params = server._params(r, len(prompt), r.max_completion_tokens or r.max_tokens, top)
@@ -326,6 +366,30 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                 job.cancel()
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+class RequireKey:
+    """ASGI middleware: with `--api-key`, every request but GET /health needs `Authorization: Bearer KEY`
+    (vLLM's --api-key guards /v1/*; here the docs pages are guarded too). Checked before the body is
+    read, so an unauthenticated client learns nothing about the API, not even a validation error."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not self._ok(scope):
+            body = _error_body("missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
+                               "with the key the server was started with (--api-key or GRPOLAB_API_KEY)",
+                               code="invalid_api_key")
+            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, scope) -> bool:
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        # compare_digest: the time taken does not tell how much of a guess was right
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
 
 
 def raw_ids(tok, text: str) -> list[int]:

@@ -16,6 +16,7 @@ The batcher runs in one thread (`run`); `submit` and `Job.cancel` may be called 
 
 from __future__ import annotations
 
+import math
 import queue
 import secrets
 import threading
@@ -35,6 +36,9 @@ SLACK = 32
 # a frame grows by at most this many columns at a time (not a whole context's worth per row up front)
 GROW = 256
 MAX_LOGPROBS = 20
+# a temperature below this samples greedily (as vLLM's): logits / 1e-300 overflow float32 to inf, and
+# the softmax of infinities is NaN, which drew the vocabulary's last token instead of the best one
+GREEDY_BELOW = 1e-5
 
 
 class BadSampling(ValueError):
@@ -62,8 +66,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         checks = (
             ("max_tokens", self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            ("temperature", self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
-            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            # inf and nan are refused too (JSON's 1e999 parses as inf): a comparison alone lets inf through
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"),
+            ("top_p", math.isfinite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             ("top_k", self.top_k >= -1, f"top_k must be >= 0 (0 or -1: no top-k), got {self.top_k}"),
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -73,6 +79,8 @@ class SamplingParams:
             if not ok:
                 raise BadSampling(param, message)
         object.__setattr__(self, "top_k", max(self.top_k, 0))
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def group(self) -> tuple:
@@ -137,10 +145,23 @@ class Batcher:
         self.steps = 0
         self._admitting: list[Job] = []   # taken from the queue, not yet in the batch
         self._stop = threading.Event()
+        self._waiting_rows = 0   # rows of submitted jobs not yet admitted (the server bounds it)
+        self._lock = threading.Lock()
 
     # ---- the thread's side -------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        with self._lock:
+            self._waiting_rows += job.params.n
         self.pending.put(job)
+
+    @property
+    def waiting_rows(self) -> int:
+        """Rows submitted and not yet admitted to the batch (cancelled ones count until the batcher drops them)."""
+        return self._waiting_rows
+
+    def _left_queue(self, job: Job) -> None:
+        with self._lock:
+            self._waiting_rows -= job.params.n
 
     @property
     def running(self) -> int:
@@ -241,11 +262,13 @@ class Batcher:
                     break
             if job.done:   # cancelled while waiting
                 self._head = None
+                self._left_queue(job)
                 continue
             if job.params.n > free and (self.rows or new):
                 self._head = job   # waits for rows to leave (first in, first out)
                 break
             self._head = None
+            self._left_queue(job)
             new.append(job)
             free -= job.params.n
         if not new:

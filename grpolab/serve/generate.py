@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError
-from ..data.loading import DataError
+from ..data.loading import DataError, check_roles
 from ..logging.console import Console, fmt_duration
 from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
@@ -75,6 +75,8 @@ def read_prompts(path: str) -> list[dict]:
                                 f"or a list of chat messages)")
             if not isinstance(row["prompt"], (str, list)):
                 raise DataError(f"{path}: line {n}: 'prompt' must be a string or a list of messages")
+            if isinstance(row["prompt"], list) and all(isinstance(m, dict) and "role" in m for m in row["prompt"]):
+                check_roles(row["prompt"], f"{path}: line {n}", "prompt")   # the server's and training's rule
             clash = [k for k in OUTPUT_KEYS if k in row]
             if clash:
                 raise DataError(f"{path}: line {n} has the column {clash[0]!r}, which generate writes; rename it")
@@ -115,17 +117,21 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
     out = Path(out_path)
     if out.parent:
         out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():   # can OUT be written at all? Found now, not after the model has loaded
+        out.touch()
+        out.unlink()
     done = _done_rows(out)
     if done and max(done) >= len(rows):
         raise DataError(f"{out_path} holds row {max(done)}, but {in_path} has {len(rows)} rows: "
                         f"is it the output of another input?")
     if score_cfg is not None:
-        from ..rewards.combine import check_signatures
+        from ..rewards import combine
         columns = sorted({k for r in rows for k in r if k != "prompt"})
         if score_cfg.reward.judges:   # judge answers cached beside OUT
             from ..rewards import judge
             judge.configure(score_cfg.reward, Path(out_path).parent / "judge_cache")
-        check_signatures(list(score_cfg.reward.functions), columns)
+        combine.configure(score_cfg.reward)   # reward.timeout
+        combine.check_signatures(list(score_cfg.reward.functions), columns, rows=rows, source=in_path)
     batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                                         dtype=dtype, device=device)
     todo = [i for i in range(len(rows)) if i not in done]
@@ -147,7 +153,31 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
                  f"max batch {max_batch}")
     for i in todo:
         batcher.submit(jobs[i])
-    t0, last, written, tokens = time.perf_counter(), 0.0, 0, 0
+    t0 = time.perf_counter()
+    try:
+        written, tokens = _decode_and_write(batcher, jobs, rows, finished, out, score_cfg, console,
+                                            len(done), len(todo), t0)
+        # all rows done: rewrite in input order
+        final = _done_rows(out)
+        write_atomic(out, "".join(json.dumps(final[i]) + "\n" for i in sorted(final)))
+    except OSError as e:   # a write's error names no file: name OUT (the rows written so far are kept)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, out_path) from e
+        raise
+    except KeyboardInterrupt:
+        have = len(_done_rows(out))
+        raise KeyboardInterrupt(f"interrupted: {have} of {len(rows)} rows are in {out_path}; run the same command "
+                                f"again to do the rest") from None
+    elapsed = time.perf_counter() - t0
+    console.result(f"wrote {out_path}: {len(final)} rows ({written} new in {elapsed:.1f}s)")
+    return {"rows": len(final), "new": written, "seconds": elapsed, "tokens": tokens}
+
+
+def _decode_and_write(batcher, jobs: dict, rows: list[dict], finished: list[int], out: Path, score_cfg,
+                      console: Console, n_done: int, n_todo: int, t0: float) -> tuple[int, int]:
+    """Step the batcher until every job is done, appending each finished row to OUT (flushed at once, so
+    an interruption keeps it); (rows written, completion tokens)."""
+    last, written, tokens = 0.0, 0, 0
     with open(out, "a") as f:
         while not batcher.idle():
             batcher.step()
@@ -164,20 +194,15 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
                 tokens += sum(row["completion_tokens"])
             finished.clear()
             now = time.perf_counter() - t0
-            if written and (now - last > 5 or written == len(todo)):
+            if written and (now - last > 5 or written == n_todo):
                 last = now
                 rate = written / now
-                bar = int(20 * (len(done) + written) / len(rows))
-                console.info(f"[{'#' * bar}{'.' * (20 - bar)}] generate {len(done) + written}/{len(rows)} rows | "
+                bar = int(20 * (n_done + written) / len(rows))
+                console.info(f"[{'#' * bar}{'.' * (20 - bar)}] generate {n_done + written}/{len(rows)} rows | "
                              f"{rate:.1f} rows/s | {tokens / now:.0f} tok/s | "
-                             f"ETA {fmt_duration((len(todo) - written) / rate)}")
+                             f"ETA {fmt_duration((n_todo - written) / rate)}")
         os.fsync(f.fileno())
-    # all rows done: rewrite in input order
-    final = _done_rows(out)
-    write_atomic(out, "".join(json.dumps(final[i]) + "\n" for i in sorted(final)))
-    elapsed = time.perf_counter() - t0
-    console.result(f"wrote {out_path}: {len(final)} rows ({written} new in {elapsed:.1f}s)")
-    return {"rows": len(final), "new": written, "seconds": elapsed, "tokens": tokens}
+    return written, tokens
 
 
 def _score(cfg, row: dict, completions: list[str]) -> dict:

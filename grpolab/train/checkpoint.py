@@ -14,22 +14,37 @@ Layout of checkpoints/step_N/:
     critic.safetensors,    PPO's critic (algorithm.adv_estimator=gae): weights with the value head, and
     critic_optimizer.pt    its optimizer and scheduler state
     trainer_state.json     step, data position (and the wandb run id)
+    run_config.yaml        the run's config.yaml when the checkpoint was written (resume compares it with
+                           the new config: resume_rules.py)
+    manifest.json          written last: the step and every other file's size and sha256
 
 optimizer.pt and rng.pt hold tensors and plain containers only and are loaded with
 torch.load(weights_only=True): a checkpoint cannot run code when it is loaded.
+
+Every load checks the manifest first (verify_checkpoint): a file missing, truncated, or copied in from
+another checkpoint is refused with one line naming it (CheckpointError). Checkpoints written before
+manifests existed (trainer_state.json without "format") still load, checked as before (plus a
+truncation check of every .safetensors file's header against its size); a new checkpoint whose
+manifest.json was deleted is refused.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
+import struct
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_safetensors_model
 
@@ -40,6 +55,14 @@ from ..utils.files import write_atomic
 
 TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
 ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N
+UNUSABLE = "unusable_"   # train.resume=auto moved a checkpoint that failed its check out of the way
+MANIFEST = "manifest.json"
+RUN_CONFIG = "run_config.yaml"
+FORMAT = 2        # trainer_state.json's "format": 2 = the checkpoint has a manifest (absent: older ones)
+TRAINING_ONLY = ("optimizer.pt", "rng.pt", "critic_optimizer.pt")   # not read when only the model is loaded
+# unlisted files a load would read are refused; others (e.g. the eval.json `grpolab eval` writes) are not
+_LOADED_SUFFIXES = (".safetensors", ".pt", ".bin")
+_LOADED_NAMES = ("trainer_state.json", "model_config.json", "config.json", "adapter_config.json", RUN_CONFIG)
 
 
 class CheckpointError(RuntimeError):
@@ -65,12 +88,57 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, *, tokenizer=None, 
     extra: a callable that writes more files (e.g. PPO's critic) into the directory being staged."""
     root = Path(ckpt_root)
     final = root / f"step_{step}"
-    tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                 trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states,
-                 master_weights=master_weights, extra=extra)
+    try:
+        tmp = _stage(root, step, model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                     trainer_state=trainer_state, rng=rng, ref_model=ref_model, full_states=full_states,
+                     master_weights=master_weights, extra=extra)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        staging = root / f"{TMP}step_{step}"
+        writing = _newest_file(staging)
+        shutil.rmtree(staging, ignore_errors=True)   # no half-written staging dir left
+        if isinstance(e, RuntimeError) and not _is_write_failure(e):
+            raise
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        kept = list_checkpoints(root)
+        kept_msg = f"kept {kept[-1]}" if kept else "no earlier checkpoint was kept"
+        what = "the disk is full" if _is_disk_full(e, root) else f"write failed ({_first_line(e)})"
+        raise CheckpointError(f"cannot write checkpoint {final}{f' (at {writing})' if writing else ''}: {what}; "
+                              f"{kept_msg} (complete); free space and continue with train.resume=auto") from None
     for _ in _install(tmp, final):
         pass
     return final
+
+
+def _newest_file(d: Path) -> str | None:
+    """The file last written in a staging dir (the one a failed write was in), relative to it."""
+    try:
+        files = [f for f in d.rglob("*") if f.is_file()]
+        return max(files, key=lambda f: f.stat().st_mtime_ns).relative_to(d).as_posix() if files else None
+    except OSError:
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _is_write_failure(e: RuntimeError) -> bool:
+    """torch.save's writer reports a failed write (e.g. disk full) as 'unexpected pos N vs M' or
+    'PytorchStreamWriter failed writing file'."""
+    return any(s in str(e) for s in ("unexpected pos", "PytorchStreamWriter failed", "No space left"))
+
+
+def _is_disk_full(e: BaseException, root: Path) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(e) or "os error 28" in str(e):
+        return True
+    try:   # torch's writer says only 'unexpected pos': look at the disk itself
+        return shutil.disk_usage(root).free < 64 * 2**20
+    except OSError:
+        return False
 
 
 def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, scheduler=None,
@@ -110,13 +178,131 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
         save_model(ref, str(tmp / "ref.safetensors"))   # save_model handles tied (shared) weights
     if extra is not None:
         extra(tmp)
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=2))
-    for f in tmp.rglob("*"):
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {}), "format": FORMAT},
+                                                       indent=2))
+    run_config = root.parent / "config.yaml"   # written by the job at its start (pipeline.write_run_config)
+    if run_config.is_file():
+        shutil.copyfile(run_config, tmp / RUN_CONFIG)
+    files = {}
+    for f in sorted(tmp.rglob("*")):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+            files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+    # last: a checkpoint with a manifest is complete, and the manifest says what complete is
+    with open(tmp / MANIFEST, "w") as fh:
+        fh.write(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=2))
+        fh.flush()
+        os.fsync(fh.fileno())
     _fsync_dir(tmp)
     return tmp
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_verified: dict[str, tuple] = {}   # checkpoint dir -> the files' (name, size, mtime, inode) when last verified
+
+
+def _signature(p: Path) -> tuple:
+    out = []
+    for f in sorted(p.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            out.append((f.relative_to(p).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON file as a dict; a missing, unreadable or broken one is a CheckpointError naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)}); the checkpoint is damaged") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: cannot be read (a JSON object expected); the checkpoint is damaged")
+    return data
+
+
+def verify_checkpoint(path: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """Check a checkpoint directory against its manifest.json: every listed file present, of its
+    size and sha256, and no unlisted file a load would read; the manifest's step matches the
+    directory's name. One CheckpointError naming the first file that fails. `skip`: files not
+    checked (those the caller will not read). Checkpoints without a manifest (written before
+    manifests existed) pass, unless their trainer_state.json says they should have one; their
+    .safetensors files get a truncation check from their headers."""
+    p = Path(path)
+    manifest = p / MANIFEST
+    if not manifest.is_file():
+        state = p / "trainer_state.json"
+        if state.is_file() and _read_json(state).get("format", 1) >= FORMAT:
+            raise CheckpointError(f"{manifest}: missing (the checkpoint is incomplete); resume from an earlier "
+                                  f"checkpoint")
+        for f in sorted(p.glob("*.safetensors")):
+            check_safetensors(f)
+        return
+    key, whole = f"{p.resolve()}|{','.join(skip)}", f"{p.resolve()}|"
+    sig = _signature(p)
+    if sig in (_verified.get(key), _verified.get(whole)):   # unchanged since this process last checked it
+        return                                               # (e.g. the resume's check, then the model's load)
+    m = _read_json(manifest)
+    files = m.get("files")
+    if not isinstance(files, dict) or not isinstance(m.get("step"), int):
+        raise CheckpointError(f"{manifest}: cannot be read (no 'step' and 'files'); the checkpoint is damaged")
+    name = p.name.removeprefix(ASIDE)
+    if _is_step_name(name) and int(name[5:]) != m["step"]:
+        raise CheckpointError(f"{manifest}: written for step {m['step']}, but the directory is {p.name} (moved or "
+                              f"copied from another step); resume from a checkpoint left where it was written")
+    listed = [(rel, info) for rel, info in files.items() if rel not in skip]
+    for rel, info in listed:   # sizes first: a truncated or missing file is found without reading anything
+        f = p / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (listed in {MANIFEST}): the checkpoint is incomplete; resume from "
+                                  f"an earlier checkpoint")
+        size = f.stat().st_size
+        if size != info.get("size"):
+            raise CheckpointError(f"{f}: {size} bytes, but {MANIFEST} says {info.get('size')} (truncated, or "
+                                  f"copied from another checkpoint); resume from an earlier checkpoint")
+    for f in sorted(p.rglob("*")):
+        rel = f.relative_to(p).as_posix()
+        if (f.is_file() and rel != MANIFEST and rel not in files and rel not in skip
+                and (f.name.endswith(_LOADED_SUFFIXES) or f.name in _LOADED_NAMES)):
+            raise CheckpointError(f"{f}: not in {MANIFEST} (added after the checkpoint was written); remove it "
+                                  f"or resume from an earlier checkpoint")
+    for rel, info in listed:
+        f = p / rel
+        if _sha256(f) != info.get("sha256"):
+            raise CheckpointError(f"{f}: its contents differ from {MANIFEST}'s checksum (changed after the "
+                                  f"checkpoint was written, e.g. copied from another step); resume from an "
+                                  f"earlier checkpoint")
+    _verified[key] = sig
+
+
+def check_safetensors(path: Path) -> None:
+    """A .safetensors file is whole: its header parses and its tensors' data ends exactly at the end
+    of the file (a truncated copy fails here, by name, before any loader sees it)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0] if size >= 8 else None
+            header = json.loads(fh.read(n)) if n is not None and 8 + n <= size else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, struct.error):
+        header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a complete safetensors file (its header is cut or damaged); the "
+                              f"file is truncated or not a weights file")
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+               and "data_offsets" in t), default=0)
+    if 8 + n + end != size:
+        raise CheckpointError(f"{path}: {size} bytes, but its header describes {8 + n + end} (truncated or "
+                              f"damaged)")
 
 
 def _hf_keys(state: dict) -> dict:
@@ -129,7 +315,11 @@ def read_ref_state(path: str | Path, ref_model) -> dict | None:
     f = Path(path) / "ref.safetensors"
     if not f.is_file():
         return None
-    sd = load_file(str(f))
+    check_safetensors(f)
+    try:
+        sd = load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{f}: cannot be read ({_first_line(e)})") from None
     return {f"hf.{k}": v for k, v in sd.items()} if isinstance(ref_model, HFPolicy) else sd
 
 
@@ -182,22 +372,60 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     Hugging Face model directory (ours or one saved elsewhere)."""
     p = Path(path)
     cfg_file = p / "model_config.json"
+    if p.is_dir():
+        verify_checkpoint(p, skip=TRAINING_ONLY)
     if not cfg_file.is_file():
-        if (p / "config.json").is_file():
-            return load_hf(str(p), dtype=dtype, device=device)
-        if (p / "adapter_config.json").is_file():   # a LoRA checkpoint of a Hugging Face model
-            return load_hf_adapter(str(p), dtype=dtype, device=device)
+        try:
+            if (p / "config.json").is_file():
+                return load_hf(str(p), dtype=dtype, device=device)
+            if (p / "adapter_config.json").is_file():   # a LoRA checkpoint of a Hugging Face model
+                return load_hf_adapter(str(p), dtype=dtype, device=device)
+        except SafetensorError as e:   # a damaged weights file the header check did not catch
+            raise CheckpointError(f"{p}: its weights cannot be read ({_first_line(e)})") from None
         raise FileNotFoundError(f"{str(p)!r} is not a checkpoint: no model_config.json (built-in GPT), "
                                 f"config.json (Hugging Face model) or adapter_config.json (LoRA adapter)")
-    meta = json.loads(cfg_file.read_text())
+    meta = _read_json(cfg_file)
     meta.pop("type", None)
     lora = meta.pop("lora", None)
-    model = GPT(GPTConfig(**meta))
+    try:
+        model = GPT(GPTConfig(**meta))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_file}: not a model description ({_first_line(e)})") from None
     if lora:
         add_lora(model, lora)
-    model.load_state_dict(load_file(str(p / "model.safetensors")))
+    load_weights(model, p / "model.safetensors")
     model.to(device).eval()
     return model, CharTokenizer()
+
+
+def load_weights(model, path: Path) -> None:
+    """A .safetensors file into `model` (strict): a missing, damaged or mismatched file (weights of
+    another model size, or with LoRA adapters turned on/off) is one CheckpointError naming the file
+    and a tensor."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    check_safetensors(path)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({_first_line(e)})") from None
+    check_shapes(path, state, model.state_dict())
+    model.load_state_dict(state)
+
+
+def check_shapes(path: Path, got: dict, want: dict) -> None:
+    """The tensors of a weights file match a model's state dict by name and shape; else one line."""
+    for k, v in want.items():
+        if k in got and tuple(got[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{path}: tensor {k!r} has shape {list(got[k].shape)}, but the model needs "
+                                  f"{list(v.shape)} (weights of another model size)")
+    missing = [k for k in want if k not in got]
+    extra = [k for k in got if k not in want]
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the model does not"
+        n = len(missing) + len(extra)
+        raise CheckpointError(f"{path}: {what}{f' ({n} tensors differ)' if n > 1 else ''}: weights of another "
+                              f"model (a different architecture, or LoRA adapters turned on/off)")
 
 
 def _step_of(p: Path) -> int:
@@ -233,14 +461,37 @@ def prune_checkpoints(ckpt_root: str | Path, keep: int) -> None:
             shutil.rmtree(p)
 
 
-def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
-    """train.resume: 'auto' -> the newest checkpoint under output_dir (None if there is none), after
-    cleaning up what a crash mid-save left there; else the path."""
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def find_resume_checkpoint(resume: str, output_dir: str | Path,
+                           warn: Callable[[str], None] = _warn) -> Path | None:
+    """train.resume: 'auto' -> the newest usable checkpoint under output_dir (None if there is none),
+    after cleaning up what a crash mid-save left there; a newer one that fails its check
+    (verify_checkpoint) is renamed unusable_step_N, with a warning, and the previous one is taken.
+    Else the path, checked: a CheckpointError naming the file when it fails."""
     if resume == "auto":
         root = Path(output_dir) / "checkpoints"
         recover_checkpoints(root)
         found = list_checkpoints(root)
-        return found[-1] if found else None
+        bad = []
+        for p in reversed(found):
+            try:
+                check_training_checkpoint(p)
+            except CheckpointError as e:
+                bad.append((p, e))
+                continue
+            # only now that a usable one is found: the unusable newer ones go out of the way (pruning
+            # would otherwise count them and delete good ones); with none usable nothing is moved
+            for q, e in bad:
+                warn(f"train.resume=auto: {q.name} is unusable ({e}); moved it to {_set_aside(q).name} and "
+                     f"resuming from {p.name}")
+            return p
+        if bad:
+            raise CheckpointError(f"train.resume=auto: no usable checkpoint under {root}; the newest: "
+                                  f"{bad[0][1]}") from None
+        return None
     p = Path(resume)
     aside = p.parent / f"{ASIDE}{p.name}"
     if _is_step_name(p.name) and not p.exists() and _is_complete(aside):
@@ -248,7 +499,32 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
     if not (p / "trainer_state.json").is_file() or not (p / "optimizer.pt").is_file():
         raise FileNotFoundError(f"train.resume: {resume!r} is not a training checkpoint (checkpoints/step_N "
                                 f"with trainer_state.json and optimizer.pt)")
+    check_training_checkpoint(p)
     return p
+
+
+def _set_aside(p: Path) -> Path:
+    """Rename a checkpoint that failed its check out of the checkpoints' way (never deleted: it may
+    hold what someone wants to look at); pruning and the next resume no longer see it."""
+    n, dest = 0, p.parent / f"{UNUSABLE}{p.name.removeprefix(ASIDE)}"
+    while dest.exists():
+        n += 1
+        dest = p.parent / f"{UNUSABLE}{p.name.removeprefix(ASIDE)}.{n}"
+    os.rename(p, dest)
+    _fsync_dir(p.parent)
+    return dest
+
+
+def check_training_checkpoint(p: Path) -> None:
+    """Everything a resume reads is there and whole: the manifest check, optimizer.pt, rng.pt and a
+    trainer_state.json with a step (CheckpointError naming the file otherwise)."""
+    verify_checkpoint(p)
+    state = _read_json(p / "trainer_state.json")
+    if not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{p / 'trainer_state.json'}: has no step; the checkpoint is damaged")
+    for name in ("optimizer.pt", "rng.pt"):
+        if not (p / name).is_file():
+            raise CheckpointError(f"{p / name}: missing; the checkpoint is incomplete: resume from an earlier one")
 
 
 def load_ref_weights(path: str | Path, ref_model) -> None:
@@ -256,14 +532,42 @@ def load_ref_weights(path: str | Path, ref_model) -> None:
     save_model wrote one name per tied weight, and load_model reads it back that way."""
     f = Path(path) / "ref.safetensors"
     if f.is_file():
-        load_safetensors_model(ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model, str(f))
+        check_safetensors(f)
+        module = ref_model.hf if isinstance(ref_model, HFPolicy) else ref_model
+        try:
+            missing, extra = load_safetensors_model(module, str(f), strict=False)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot be read ({_first_line(e)})") from None
+        except RuntimeError as e:   # size mismatch: name the tensor
+            found = re.search(r"size mismatch for ([\w.]+): copying a param with shape (\S+ \S+) from "
+                              r"checkpoint, the shape in current model is (\S+ \S+)", str(e))
+            what = (f"tensor {found.group(1)!r} has {found.group(2)}, but the model needs {found.group(3)}"
+                    if found else _first_line(e))
+            raise CheckpointError(f"{f}: {what} (weights of another model size)") from None
+        if missing or extra:
+            raise CheckpointError(f"{f}: {'lacks ' + repr(missing[0]) if missing else 'has ' + repr(extra[0])} "
+                                  f"({len(missing) + len(extra)} tensors differ): the reference of another model")
 
 
 def checkpoint_job(path: str | Path) -> str | None:
     """The job that wrote a checkpoint (grpo, sft, dpo, rm, distill; older GRPO ones name none: grpo),
     or None when the directory has no trainer_state.json."""
     f = Path(path).expanduser() / "trainer_state.json"
-    return json.loads(f.read_text()).get("job", "grpo") if f.is_file() else None
+    return _read_json(f).get("job", "grpo") if f.is_file() else None
+
+
+def run_config_of(ckpt: str | Path) -> dict | None:
+    """The config a checkpoint was written with: its run_config.yaml, or (older checkpoints) the
+    config.yaml of the run directory it sits in; None when neither exists."""
+    p = Path(ckpt)
+    for f in (p / RUN_CONFIG, p.parent.parent / "config.yaml"):
+        if f.is_file():
+            try:
+                data = yaml.safe_load(f.read_text())
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+                raise CheckpointError(f"{f}: cannot be read ({_first_line(e)})") from None
+            return data if isinstance(data, dict) else None
+    return None
 
 
 def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
@@ -271,15 +575,20 @@ def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
     this checkpoint) and its reference into `ref_model`, in place; return optimizer, scheduler,
     RNG and trainer state."""
     p = Path(path)
+    check_training_checkpoint(p)
     if model is not None:
         loaded, _ = load_model(p, device=str(next(model.parameters()).device))
+        check_shapes(p / "model.safetensors", loaded.state_dict(), model.state_dict())
         model.load_state_dict(loaded.state_dict())
     if ref_model is not None:
         load_ref_weights(p, ref_model)
     opt = _load_plain(p / "optimizer.pt")
-    rng = _load_plain(p / "rng.pt") if (p / "rng.pt").is_file() else {}
-    trainer = json.loads((p / "trainer_state.json").read_text())
-    return {"optimizer": opt["optimizer"], "scheduler": opt["scheduler"], "rng": rng, "trainer": trainer,
+    rng = _load_plain(p / "rng.pt")
+    trainer = _read_json(p / "trainer_state.json")
+    if not isinstance(opt, dict) or "optimizer" not in opt or not isinstance(rng, dict) or "torch" not in rng:
+        bad = "optimizer.pt" if not isinstance(opt, dict) or "optimizer" not in opt else "rng.pt"
+        raise CheckpointError(f"{p / bad}: not a grpolab checkpoint file (its keys are missing)")
+    return {"optimizer": opt["optimizer"], "scheduler": opt.get("scheduler"), "rng": rng, "trainer": trainer,
             "master": opt.get("master")}
 
 
@@ -300,9 +609,30 @@ def _load_plain(path: Path):
 
 
 def cut_logs(run_dir: str | Path, step: int, names: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> None:
-    """Drop the lines of a run's jsonl logs written after `step` (a resumed run writes them again)."""
+    """Drop the lines of a run's jsonl logs written after `step` (a resumed run writes them again).
+    A torn last line (a crash mid-append) is dropped, as `grpolab generate` does; a broken line
+    before it is a CheckpointError naming the file and line."""
     for name in names:
         path = Path(run_dir) / name
         if path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            lines = [(n, ln) for n, ln in enumerate(path.read_text(errors="replace").splitlines(), 1) if ln.strip()]
+            keep = []
+            for i, (n, ln) in enumerate(lines):
+                found = _log_step(ln)
+                if found is None:
+                    if i == len(lines) - 1:   # torn by a crash mid-write
+                        break
+                    raise CheckpointError(f"{path}: line {n} is not a log record (a JSON object with a step); "
+                                          f"delete that line and resume again")
+                if found <= step:
+                    keep.append(ln)
             write_atomic(path, "".join(ln + "\n" for ln in keep))
+
+
+def _log_step(line: str) -> int | None:
+    try:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    return step if isinstance(step, int) else None

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import random
 import signal
 import threading
@@ -42,13 +43,17 @@ from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import NonFiniteLogits, generate
 from ..rollout.keys import completion_keys
+from ..logging.console import StepProgress
 from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .critic import CriticTrainer
+from .finite_step import count_nonfinite, params_of, restore, snapshot
+from ..utils.files import write_atomic
 from .checkpoint import cut_logs, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
 from .master import MasterWeights
+from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
 
 
@@ -99,6 +104,12 @@ class GRPOTrainer:
         self.world = dist.world_from_env()
         if self.world.size > 1:
             self._check_world(cfg)
+        # before any batch is allocated: a rollout or eval batch larger than the memory is one line, not the
+        # kernel's OOM killer (train/memory_budget.py)
+        check_run_memory(cfg, model_shape(model), tokenizer, train_rows, test_rows, next(model.parameters()).device,
+                         self.world, getattr(model.config, "block_size", None)
+                         or getattr(model.config, "max_position_embeddings", None))
+        if self.world.size > 1:
             dist.broadcast_parameters(model)   # every rank starts from rank 0's policy, bit for bit
         if hasattr(model, "lean_decode"):   # Hugging Face policies: which sampling path to use
             model.lean_decode = cfg.rollout.lean_decode
@@ -108,6 +119,10 @@ class GRPOTrainer:
         self.test_rows = test_rows[:cfg.eval.num_problems]
         self.run_dir = Path(run_dir)
         self.console = console
+        # progress inside a long step (phase, rows, tokens/s), rank 0's console only: output, never numbers
+        talk = console is not None and self.world.main and getattr(console, "level", 0) >= 1
+        self.progress = StepProgress(console.info if talk else None)
+        self.final_eval: dict | None = None   # the held-out eval after the last step (train(final_eval=True))
         a, o = cfg.algorithm, cfg.optim
         self.wants_policy = any(wants_policy(f) for f in cfg.reward.functions)   # intrinsic rewards
         if a.adv_estimator == "remax" and self.wants_policy:
@@ -154,7 +169,8 @@ class GRPOTrainer:
         self.epoch_at_step = 0.0
         # rollout.tools: calls inside rollouts and eval (rollout/tool_decode.py); None without tools
         self.tools = build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path)
-        check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [])
+        check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [], rows=train_rows,
+                         source=cfg.data.train_path or f"data.task={cfg.data.task}")
 
     def _check_world(self, cfg: Config) -> None:
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
@@ -182,14 +198,17 @@ class GRPOTrainer:
         # however the step is split over ranks, and after a resume
         keys = completion_keys(self.cfg.train.seed, draws.repeat_interleave(G), torch.arange(G).repeat(len(rows)))
         self.model.eval()
+        self.progress.start_phase("rollout", len(rows) * G)
         prompt_ids = [self.tok.render_prompt(x["prompt"]) for x in rows]
         greedy = None
+        # counts the tokens as they are sampled, for the progress line (the logits pass through untouched)
+        hook = self._count_tokens if self.progress.on and self.tools is None else None
         try:
             with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
                 gen = generate(self.model, prompt_ids, num_generations=G,
                                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
-                               pad_id=self.tok.pad_id, keys=keys, tools=self.tools)
+                               pad_id=self.tok.pad_id, keys=keys, tools=self.tools, logits_hook=hook)
                 if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
                     gg = generate(self.model, prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
                                   temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
@@ -208,6 +227,11 @@ class GRPOTrainer:
             columns={k: [x[k] for x in rows for _ in range(G)] for k in keys},
             greedy=None if greedy is None else [self.tok.decode(x) for x in greedy for _ in range(G)],
             greedy_ids=None if greedy is None else [x for x in greedy for _ in range(G)])
+
+    def _count_tokens(self, logits: torch.Tensor, t: int, rows: torch.Tensor) -> torch.Tensor:
+        """generate()'s logits hook: counts the rows sampling a token now; returns the logits as they are."""
+        self.progress.add(tokens=rows.numel())
+        return logits
 
     def _reward_name(self, spec: str) -> str:
         """The metric name of a reward column: the configured functions' unique names, else e.g. 'overlong'."""
@@ -256,6 +280,7 @@ class GRPOTrainer:
             t0 = time.perf_counter()
             batch = self.rollout()
             t1 = time.perf_counter()
+            self.progress.start_phase("score", len(batch))
             for k, v in self.score(batch).items():
                 self.logged_metrics.setdefault(k, []).extend(v)
             stats["time/generate"] += t1 - t0
@@ -431,6 +456,7 @@ class GRPOTrainer:
                 return critic
 
         self.model.train()
+        self.progress.start_phase("update", len(batch) * a.num_iterations)
         lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_ratio/low_sum": 0.0, "clip_ratio/high_sum": 0.0,
                 "clip_ratio/region_sum": 0.0, "rollout/logprob_abs_diff_sum": 0.0, "rollout/masked_sum": 0.0}
@@ -462,6 +488,7 @@ class GRPOTrainer:
                 if a.entropy_coef:
                     loss = loss - a.entropy_coef * aggregate(ent, m, a.loss_agg_mode, **agg)
                 loss.backward()
+                self.progress.add(rows=s.stop - s.start, tokens=int(m.sum()))
                 sums["loss"] += float(loss.detach())
                 sums["entropy"] += float((ent.detach() * m).sum())
                 for k, v in cm.items():
@@ -481,9 +508,21 @@ class GRPOTrainer:
             if not (math.isfinite(norm) and math.isfinite(dist.sum_floats(sums["loss"])[0])):
                 self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
                 break
+            saved = snapshot(self.opt) if self.cfg.train.undo_nonfinite_updates else None
             self.opt.step()
             if self.master:
                 self.master.weights_out()
+            # a finite gradient can still overflow the weights (a huge lr): such weights are never saved
+            bad = count_nonfinite(params_of(self.opt)) + (
+                count_nonfinite(p for p in self.model.parameters() if p.requires_grad) if self.master else 0)
+            if dist.sum_floats(float(bad))[0] > 0:
+                if saved is None:
+                    raise TrainingError(self._nonfinite_weights(sums["loss"], norm))
+                restore(self.opt, saved)
+                if self.master:
+                    self.master.weights_out()
+                self._bad_step(sums["loss"], norm, weights=True)
+                break
             applied += 1
         if applied:   # a skipped step leaves the schedule where it was: the next step gets this step's lr
             self.sched.step()
@@ -502,13 +541,22 @@ class GRPOTrainer:
             out["rollout/masked_ratio"] = sums["rollout/masked_sum"] / max(n_tok, 1)
         return {**out, **critic}
 
-    def _bad_step(self, loss: float, norm: float) -> None:
+    def _nonfinite_weights(self, loss: float, norm: float) -> str:
+        return (f"step {self.step + 1}: the update made weights NaN/inf (loss {loss}, gradient norm {norm}, lr "
+                f"{self.opt.param_groups[0]['lr']:g}); stopped before saving them (the last checkpoint is kept). Lower "
+                f"optim.lr, or set train.undo_nonfinite_updates=true to undo and count such updates")
+
+    def _bad_step(self, loss: float, norm: float, weights: bool = False) -> None:
+        """Count a skipped update (non-finite loss or gradient norm; with `weights`, an update that made
+        the weights non-finite and was undone); too many stop the run."""
         self.opt.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self.bad_steps += 1
         limit = self.cfg.train.max_bad_steps
-        msg = (f"step {self.step + 1}: non-finite loss ({loss}) or gradient norm ({norm}); update skipped "
-               f"({self.bad_steps} so far, train.max_bad_steps={limit})")
+        what = (f"the update made weights NaN/inf (loss {loss}, gradient norm {norm}, lr "
+                f"{self.opt.param_groups[0]['lr']:g}); update undone" if weights else
+                f"non-finite loss ({loss}) or gradient norm ({norm}); update skipped")
+        msg = f"step {self.step + 1}: {what} ({self.bad_steps} so far, train.max_bad_steps={limit})"
         if self.bad_steps > limit:
             raise TrainingError(msg + "; lower optim.lr or check the reward functions")
         if self.console is not None:
@@ -538,8 +586,10 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
+        self.progress.start_step(f"step {self.step + 1}/{self.cfg.train.max_steps}")
         batch, stats = self.collect()
         t1 = time.perf_counter()
+        self.progress.start_phase("reference log-probs", len(batch))
         ref_lp = self.ref_logprobs(batch)
         kl_metrics = self.advantages(batch, ref_lp)
         t2 = time.perf_counter()
@@ -596,53 +646,87 @@ class GRPOTrainer:
             if v:
                 metrics.setdefault(k, sum(v) / len(v))
         self.last_batch = batch
+        self.progress.end_step()
         return metrics
 
-    def train(self) -> list[dict]:
+    def train(self, final_eval: bool = False) -> list[dict]:
         """Run train.max_steps steps, writing metrics.jsonl and checkpoints. Returns this call's step metrics.
 
-        SIGINT/SIGTERM finish the current step, save a checkpoint and raise KeyboardInterrupt.
+        SIGINT/SIGTERM finish the current step, save a checkpoint and raise KeyboardInterrupt (the first
+        signal is acknowledged at once; a second one stops at once). `final_eval`: after the final
+        checkpoint, the held-out eval, logged with the last step's row (metrics.jsonl, TensorBoard, wandb) as
+        train.eval_every's are, and kept in `self.final_eval` (None when this call ran no step).
         """
         t = self.cfg.train
         main = self.world.main   # only rank 0 writes files, logs and checkpoints
         history: list[dict] = []
-        start = time.perf_counter()
+        start, start_step = time.perf_counter(), self.step   # the ETA is this process's pace, also after a resume
+        self.final_eval = None
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
                 (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
-        stop = _StopFlag()
+        stop = _StopFlag(announce=main)
         # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
         trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
             if main else contextlib.nullcontext()
         self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
         # a resumed run appends after the lines its checkpoint already covers
         out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if main else contextlib.nullcontext()
-        with stop, trackers, out as f:
-            while self.step < t.max_steps:
-                m = self.train_step()
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
-                    m.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-                history.append(m)
-                if main:
-                    f.write(json.dumps(m) + "\n")
+        pending, pending_at = None, 0   # the last step's row and where it starts in metrics.jsonl
+        with trackers, out as f, self.progress:
+            with stop:
+                while self.step < t.max_steps:
+                    m = self.train_step()
+                    if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                        self.progress.start_phase("eval")
+                        m.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                        self.progress.end_step()
+                    history.append(m)
+                    # a signal seen by any rank stops every rank after the same step
+                    stopping = dist.sum_floats(float(stop.signal is not None))[0] > 0
+                    if final_eval and self.step == t.max_steps and not stopping:
+                        pending, pending_at = m, (f.tell() if main else 0)
+                    if main:   # written now: a crash in the final eval below loses no step
+                        self._log_row(m, f, trackers, time.perf_counter() - start, start_step)
+                    if pending is not None:
+                        break
+                    if stopping:
+                        stop.hold()     # a second signal (the launcher's, as other ranks exit) must not cut the save
+                        self.save()
+                        dist.barrier()  # no rank exits before rank 0 has saved
+                        raise KeyboardInterrupt(f"stopped by {stop.signal or 'a signal to another rank'} after step "
+                                                f"{self.step}; checkpoint saved, continue with train.resume=auto")
+                    if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                        self.save()
+            self.save()
+            if pending is not None:   # the final checkpoint is safe first; then the held-out eval, in the last row
+                self.progress.start_step("final eval")
+                self.progress.start_phase("eval", len(self.test_rows))
+                self.final_eval = self.evaluate()
+                self.progress.end_step()
+                evals = {f"eval/{k}": v for k, v in self.final_eval.items()}
+                pending.update(evals)
+                if main:   # the last step's row again, now with the eval (TensorBoard and wandb: the eval alone)
+                    f.seek(pending_at)
+                    f.truncate()
+                    f.write(json.dumps(pending) + "\n")
                     f.flush()
-                    trackers.log(m, self.step)
-                    if self.cfg.log.samples_every and self.step % self.cfg.log.samples_every == 0:
-                        self._write_samples()
-                    if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
-                        self.console.step(m, self.step, t.max_steps, time.perf_counter() - start)
-                # a signal seen by any rank stops every rank after the same step
-                if dist.sum_floats(float(stop.signal is not None))[0] > 0:
-                    stop.hold()     # a second signal (the launcher's, as other ranks exit) must not cut the save
-                    self.save()
-                    dist.barrier()  # no rank exits before rank 0 has saved
-                    raise KeyboardInterrupt(f"stopped by {stop.signal or 'a signal to another rank'} after step "
-                                            f"{self.step}; checkpoint saved, continue with train.resume=auto")
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
-                    self.save()
-        self.save()
+                    trackers.log(evals, self.step)
         return history
+
+    def _log_row(self, m: dict, f, trackers, elapsed: float, start_step: int) -> None:
+        """Rank 0: a step's row to metrics.jsonl and the trackers; its samples (every log.samples_every
+        steps, and always the first and the last step's); its console line."""
+        t = self.cfg.train
+        f.write(json.dumps(m) + "\n")
+        f.flush()
+        trackers.log(m, self.step)
+        every = self.cfg.log.samples_every
+        if every and (self.step % every == 0 or self.step in (1, t.max_steps)):
+            self._write_samples()
+        if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):
+            self.console.step(m, self.step, t.max_steps, elapsed, start_step=start_step)
 
     def _write_samples(self) -> None:
         """Append the last batch's first log.samples_per_step completions to samples.jsonl."""
@@ -732,22 +816,50 @@ class GRPOTrainer:
         self.wandb_run_id = state["trainer"].get("wandb_run_id")
         if self.world.main:   # rank 0 owns the files
             cut_logs(self.run_dir, self.step)
+            every = self.cfg.train.eval_every
+            if not (every and self.step % every == 0):   # continuing a finished run: its final eval was not a
+                drop_final_eval(self.run_dir / "metrics.jsonl", self.step)   # step's, as in an unbroken run
+
+
+def drop_final_eval(path: Path, step: int) -> None:
+    """Remove the eval/* keys from `step`'s row, the last one of metrics.jsonl (the final eval of a run now
+    being continued past it); rewritten atomically, and only when there are any."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    if not lines:
+        return
+    row = json.loads(lines[-1])
+    if row.get("step") != step or not any(k.startswith("eval/") for k in row):
+        return
+    lines[-1] = json.dumps({k: v for k, v in row.items() if not k.startswith("eval/")}) + "\n"
+    write_atomic(path, "".join(lines))
 
 
 class _StopFlag:
-    """Within `with`: SIGINT/SIGTERM set `.signal` instead of killing the step half-way."""
+    """Within `with`: SIGINT/SIGTERM set `.signal` instead of killing the step half-way. The first one is
+    acknowledged at once (on stderr, by the process that `announce`s: rank 0); a second one raises
+    KeyboardInterrupt wherever the step is (a reward function that does not return included)."""
 
-    def __init__(self) -> None:
+    ACK = "stopping after this step and saving; press Ctrl-C again to stop now"
+
+    def __init__(self, announce: bool = True) -> None:
         self.signal: str | None = None
+        self.announce = announce
         self._old: dict = {}
         self._held = False
 
     def _handle(self, signum, _frame) -> None:
         if self._held:                # saving the final checkpoint: let it finish
             return
+        name = signal.Signals(signum).name
         if self.signal is not None:   # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
+            raise KeyboardInterrupt(f"stopped at once by a second {name}; the step in progress is not saved "
+                                    f"(the last checkpoint is intact)")
+        self.signal = name
+        if self.announce:   # os.write: a print could land inside another print of the main thread
+            with contextlib.suppress(OSError):
+                os.write(2, f"\ngrpolab: {name}: {self.ACK}\n".encode())
 
     def hold(self) -> None:
         """From now on further signals are ignored (the stop is under way)."""
@@ -762,3 +874,4 @@ class _StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..logging.console import PROGRESS_SECONDS, StepProgress
 from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import add_lora, has_lora, lora_config
+from .finite_step import count_nonfinite, restore, snapshot
 from .checkpoint import cut_logs, load_training_state, prune_checkpoints, save_checkpoint
 from .master import MasterWeights
 from .schedule import lr_factor
@@ -97,6 +99,10 @@ class OfflineTrainer:
         self.bad_steps = 0
         self.device = next(model.parameters()).device
         self.wandb_run_id: str | None = None
+        self.final_eval: dict | None = None   # held-out metrics after the last step (train(final_eval=True))
+        # progress inside a long step (console output only); the warm start's `console` has no level
+        talk = console is not None and getattr(console, "level", 1) >= 1
+        self.progress = StepProgress(console.info if talk else None)
 
     # ------------------------------------------------------------ what a trainer supplies
     def units(self, rows: list) -> list:
@@ -126,9 +132,12 @@ class OfflineTrainer:
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
+        self.progress.start_step(f"{self.job} step {self.step + 1}/{self.max_steps}")
+        self.progress.start_phase("batch")
         units = self.units(self.next_rows())
         total = self.weight(units)
         mb = self.s.micro_batch_size or len(units)
+        self.progress.start_phase("update", len(units))
         self.model.train()
         lr = self.opt.param_groups[0]["lr"]
         self.opt.zero_grad(set_to_none=True)
@@ -138,6 +147,7 @@ class OfflineTrainer:
         for i in range(0, len(units), mb):
             loss, part = self.micro_loss(units[i:i + mb], total)
             loss.backward()
+            self.progress.add(rows=len(units[i:i + mb]))
             loss_sum += float(loss.detach())
             for k, v in part.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -145,14 +155,32 @@ class OfflineTrainer:
             self.master.grads_in()
         params = self.master.master if self.master else [p for p in self.model.parameters() if p.requires_grad]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.max_grad_norm or float("inf")))
+        what = None
         if math.isfinite(norm) and math.isfinite(loss_sum):
+            saved = snapshot(self.opt) if self.cfg.train.undo_nonfinite_updates else None
             self.opt.step()
             if self.master:
                 self.master.weights_out()
+            # a finite gradient can still overflow the weights (a huge lr): such weights are never saved
+            if count_nonfinite(params) + (count_nonfinite(
+                    p for p in self.model.parameters() if p.requires_grad) if self.master else 0):
+                if saved is None:
+                    from .grpo import TrainingError
+                    raise TrainingError(
+                        f"{self.job} step {self.step + 1}: the update made weights NaN/inf (loss {loss_sum}, gradient "
+                        f"norm {norm}, lr {lr:g}); stopped before saving them (the last checkpoint is kept). Lower "
+                        f"{self.job}.lr, or set train.undo_nonfinite_updates=true to undo and count such updates")
+                restore(self.opt, saved)
+                if self.master:
+                    self.master.weights_out()
+                what = (f"the update made weights NaN/inf (loss {loss_sum}, gradient norm {norm}, lr {lr:g}); "
+                        f"update undone")
         else:   # an update with NaN/inf would ruin the weights: skipped, and too many stop the run
+            what = f"non-finite loss ({loss_sum}) or gradient norm ({norm}); update skipped"
+        if what is not None:
             self.bad_steps += 1
-            msg = (f"{self.job} step {self.step + 1}: non-finite loss ({loss_sum}) or gradient norm ({norm}); update "
-                   f"skipped ({self.bad_steps} so far, train.max_bad_steps={self.cfg.train.max_bad_steps})")
+            msg = (f"{self.job} step {self.step + 1}: {what} ({self.bad_steps} so far, "
+                   f"train.max_bad_steps={self.cfg.train.max_bad_steps})")
             if self.bad_steps > self.cfg.train.max_bad_steps:
                 from .grpo import TrainingError
                 raise TrainingError(msg + f"; lower {self.job}.lr or check the data")
@@ -161,6 +189,7 @@ class OfflineTrainer:
         self.sched.step()
         self.model.eval()
         self.step += 1
+        self.progress.end_step()
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": loss_sum, **self.step_metrics(sums, total), "lr": lr, "grad_norm": norm,
                 "epoch": self.stream.epoch, "time/step": dt}
@@ -170,16 +199,22 @@ class OfflineTrainer:
         return self.heldout()
 
     # ------------------------------------------------------------ the loop
-    def train(self) -> list[dict]:
+    def train(self, final_eval: bool = False) -> list[dict]:
         """Run to the stage's last step; with a run directory, write metrics.jsonl, evaluate every
         train.eval_every steps, checkpoint every train.save_every steps and at the end. SIGINT/SIGTERM
-        finish the step, save and raise KeyboardInterrupt."""
+        finish the step, save and raise KeyboardInterrupt (the first is acknowledged at once, a second stops
+        at once). `final_eval` (with a run directory): after the final checkpoint, the held-out eval, logged
+        with the last step's row and kept in `self.final_eval` (None when this call ran no step).
+        A progress line with the ETA every 1/20 of the run (at least every train.log_every steps), and
+        whenever PROGRESS_SECONDS have passed since the last one."""
         from .grpo import _StopFlag
         t = self.cfg.train
         history: list[dict] = []
-        start = time.perf_counter()
+        start, start_step = time.perf_counter(), self.step   # the ETA is this process's pace, also after a resume
+        said = start
         files = self.run_dir is not None
         every = max(t.log_every, self.max_steps // 20)   # offline steps are quick: about 20 lines a run
+        self.final_eval = None
         if files:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         stop = _StopFlag() if files else contextlib.nullcontext()
@@ -187,28 +222,45 @@ class OfflineTrainer:
             if files else contextlib.nullcontext()
         self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
         out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if files else contextlib.nullcontext()
-        with stop, trackers, out as f:
-            while self.step < self.max_steps:
-                m = self.train_step()
-                if files and t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
-                    m.update(self.evaluate())
-                history.append(m)
-                if files:
-                    f.write(json.dumps(m) + "\n")
-                    f.flush()
-                    trackers.log(m, self.step)
-                if self.console is not None and (self.step % every == 0 or self.step == self.max_steps):
+        pending = None   # the last step's row, written after the final eval
+        with trackers, out as f, self.progress:
+            with stop:
+                while self.step < self.max_steps:
+                    m = self.train_step()
+                    if files and t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
+                        m.update(self.evaluate())
+                    history.append(m)
+                    if files and final_eval and self.step == self.max_steps and stop.signal is None:
+                        pending = m
+                        break
+                    if files:
+                        f.write(json.dumps(m) + "\n")
+                        f.flush()
+                        trackers.log(m, self.step)
+                    now = time.perf_counter()
+                    if self.console is not None and (self.step % every == 0 or self.step == self.max_steps
+                                                     or now - said >= PROGRESS_SECONDS):
+                        said = now
+                        self.console.progress(self.job, self.step, self.max_steps, now - start,
+                                              self.progress_parts(m), start_step=start_step)
+                    if files and stop.signal is not None:
+                        stop.hold()
+                        self.save()
+                        raise KeyboardInterrupt(f"stopped by {stop.signal} after {self.job} step {self.step}; "
+                                                f"checkpoint saved, continue with train.resume=auto")
+                    if files and t.save_every and self.step % t.save_every == 0 and self.step < self.max_steps:
+                        self.save()
+            if files:
+                self.save()
+            if pending is not None:   # the final checkpoint is safe first; then the held-out eval, in the last row
+                self.final_eval = self.evaluate()
+                pending.update(self.final_eval)
+                f.write(json.dumps(pending) + "\n")
+                f.flush()
+                trackers.log(pending, self.step)
+                if self.console is not None:
                     self.console.progress(self.job, self.step, self.max_steps, time.perf_counter() - start,
-                                          self.progress_parts(m))
-                if files and stop.signal is not None:
-                    stop.hold()
-                    self.save()
-                    raise KeyboardInterrupt(f"stopped by {stop.signal} after {self.job} step {self.step}; "
-                                            f"checkpoint saved, continue with train.resume=auto")
-                if files and t.save_every and self.step % t.save_every == 0 and self.step < self.max_steps:
-                    self.save()
-        if files:
-            self.save()
+                                          self.progress_parts(pending), start_step=start_step)
         return history
 
     def progress_parts(self, m: dict) -> list[str]:

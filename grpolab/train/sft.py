@@ -13,6 +13,7 @@ import torch
 from ..data.loading import DataError
 from ..data.supervised import Example, collate, encode, fit_length, pack
 from ..eval import evaluate
+from ..logging.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
 from .logprobs import logprob_chunk, token_logprobs
 from .loop import OfflineTrainer
@@ -144,10 +145,11 @@ def train_sft(model, tokenizer, rows: list[dict], cfg, log=None, batch_hook=None
     `cfg` is the whole Config (its sft section) ; returns the per-step losses."""
     from ..data.supervised import task_sft_rows
 
-    class _Log:   # the warm start's progress goes to `log` (console.info), every 50 steps
-        def progress(self, job, step, total, elapsed, parts):
-            if log is not None and (step % 50 == 1 or step == total):
-                log(f"sft step {step}/{total}  {'  '.join(parts)}  ({elapsed:.0f}s)")
+    class _Log:   # the warm start's progress goes to `log` (console.info): a line at the loop's interval, with ETA
+        def progress(self, job, step, total, elapsed, parts, start_step=0):
+            if log is not None:
+                log(progress_line(f"warm start: {job}", step, total, eta_seconds(elapsed, step - start_step,
+                                                                                   total - step), parts))
 
         def info(self, msg):
             if log is not None:

@@ -11,7 +11,11 @@ from pathlib import Path
 def write_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError:   # e.g. the disk is full: leave no half-written .tmp beside the intact file
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

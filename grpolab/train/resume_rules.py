@@ -1,0 +1,73 @@
+"""Which config changes a resume accepts.
+
+A resumed run must continue the run its checkpoint came from: the weights, optimizer state and data
+position were made by that checkpoint's config, and config.yaml (rewritten at every start) must keep
+describing them. So `train.resume` compares the new config with the one the checkpoint was written
+with (its run_config.yaml; older checkpoints: their run directory's config.yaml) and refuses every
+changed key except those below, in one line listing the keys.
+
+Keys present in only one of the two configs (added or removed by a grpolab upgrade) are not compared.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from ..config import ConfigError
+from .checkpoint import checkpoint_job, run_config_of
+
+# Safe: they change how long the run goes, when it saves, evaluates and logs, and where: never what a
+# training step computes.
+SAFE_KEYS: tuple[str, ...] = (
+    "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.log_every",
+    "train.max_bad_steps", "train.resume", "train.output_dir",
+    "log.*", "eval.*",
+    "reward.timeout", "reward.code_exec.max_concurrent", "reward.judges.*.concurrency",
+)
+# Where the numbers are computed (the device, the CPU thread count): the same algorithm, with results
+# equal up to floating-point rounding only (bit-identical metrics need the same device and threads).
+PLACEMENT_KEYS: tuple[str, ...] = ("model.device", "train.threads")
+# The length of an offline job (`grpolab sft` / dpo / rm / distill): its train.max_steps.
+JOB_LENGTH_KEYS: dict[str, tuple[str, ...]] = {
+    job: (f"{job}.steps", f"{job}.epochs") for job in ("sft", "dpo", "rm", "distill")
+}
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def allowed(key: str, job: str) -> bool:
+    keys = SAFE_KEYS + PLACEMENT_KEYS + JOB_LENGTH_KEYS.get(job, ())
+    return any(fnmatchcase(key, pattern) for pattern in keys)
+
+
+def unsafe_changes(old: dict, new: dict, job: str) -> list[str]:
+    """The keys (dotted) whose value differs between two configs and that a resume of `job` does not
+    accept, sorted; each as 'key (old -> new)'."""
+    a, b = flatten(old), flatten(new)
+    return [f"{k} ({a[k]!r} -> {b[k]!r})" for k in sorted(a.keys() & b.keys())
+            if a[k] != b[k] and not allowed(k, job)]
+
+
+def check_resume_config(new: dict, ckpt: str | Path, job: str | None = None) -> None:
+    """ConfigError when `new` (a config as a plain dict, as written to config.yaml) changes a key that
+    a resume from `ckpt` must keep; nothing when the checkpoint's config is unknown. `job`: the job
+    resuming (None: the checkpoint's own)."""
+    old = run_config_of(ckpt)
+    if old is None:
+        return
+    changed = unsafe_changes(old, new, job or checkpoint_job(ckpt) or "grpo")
+    if changed:
+        raise ConfigError(f"train.resume: {ckpt} was written with a different config; these keys would change "
+                          f"what it continues: {', '.join(changed)}; set them back, or start a new run in another "
+                          f"train.output_dir (model.init_from={ckpt} starts from its weights)")

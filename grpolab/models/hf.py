@@ -296,9 +296,46 @@ def quiet_hub(offline: bool = False):
         constants.HF_HUB_OFFLINE = was_offline
 
 
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one `.gguf` of a directory without a config.json
+    (a model shipped as llama.cpp's single file). None for anything else; ValueError for a directory with several."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").is_file():
+        found = sorted(p.glob("*.gguf"))
+        if len(found) > 1:
+            raise FileNotFoundError(f"{str(p)!r} holds {len(found)} .gguf files ({', '.join(f.name for f in found)}); "
+                                    f"name one of them")
+        return found[0] if found else None
+    return None
+
+
+def _load_gguf(file: Path, dtype: str, device: torch.device) -> tuple[HFPolicy, HFTokenizer]:
+    """A GGUF model through transformers' GGUF loader: its weights dequantised to `dtype` (so a quantised
+    file trains as the full-precision model of those values), its tokenizer and chat template from the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF reader)
+    except ImportError:
+        raise ImportError("GGUF models need the gguf package: pip install 'grpolab[hf]'") from None
+    with quiet_hub(offline=True):
+        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=DTYPES[dtype],
+                                                     local_files_only=True)
+    # the weights are plain tensors now: saved checkpoints and exports are ordinary safetensors models
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(device)
+    model.eval()
+    return HFPolicy(model), HFTokenizer(tok, extra_stop_ids=_stop_ids_from(model))
+
+
 def load_hf(name_or_path: str, dtype: str = "float32", device: str = "cpu",
             trust_remote_code: bool = False) -> tuple[HFPolicy, HFTokenizer]:
-    """Load an `AutoModelForCausalLM` and its tokenizer from a local directory or a hub id."""
+    """Load an `AutoModelForCausalLM` and its tokenizer from a local directory, a GGUF file (or a directory
+    holding one), or a hub id."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -307,6 +344,9 @@ def load_hf(name_or_path: str, dtype: str = "float32", device: str = "cpu",
 
     hf_logging.disable_progress_bar()  # our console reports progress; per-shard bars are noise
 
+    gguf = gguf_file(name_or_path)
+    if gguf is not None:
+        return _load_gguf(gguf, dtype, resolve_device(device))
     local = Path(name_or_path)
     looks_local = local.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not (local / "config.json").is_file():

@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_safetensors_model
 
 from ..models import GPT, GPTConfig, CharTokenizer
-from ..models.hf import HFPolicy, load_hf, load_hf_adapter
+from ..models.hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
 from ..models.lora import add_lora
 from ..utils.files import write_atomic
 
@@ -380,6 +380,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
                 return load_hf(str(p), dtype=dtype, device=device)
             if (p / "adapter_config.json").is_file():   # a LoRA checkpoint of a Hugging Face model
                 return load_hf_adapter(str(p), dtype=dtype, device=device)
+            if gguf_file(p) is not None:   # a GGUF file, or a directory holding one
+                return load_hf(str(p), dtype=dtype, device=device)
         except SafetensorError as e:   # a damaged weights file the header check did not catch
             raise CheckpointError(f"{p}: its weights cannot be read ({_first_line(e)})") from None
         raise FileNotFoundError(f"{str(p)!r} is not a checkpoint: no model_config.json (built-in GPT), "

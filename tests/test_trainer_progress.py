@@ -172,3 +172,27 @@ def test_a_fresh_model_has_a_dash_not_nan_before_training(tmp_path):
     body = [line for line in table[2:] if line.strip() and not line.startswith("report")]
     assert body and all(line.split()[1] == "\u2013" and line.split()[3] == "\u2013" for line in body), table
     assert "nan" not in r.stdout
+
+
+def test_a_finished_offline_run_continued_further_equals_an_unbroken_one(tmp_path):
+    """sft for 2 steps (its final eval logged with step 2), then sft.steps=3 with train.resume=auto (a
+    constant learning rate: a decaying one depends on sft.steps): the 3 rows equal an unbroken 3-step run's, timing aside (step 2's final eval was
+    the shorter run's, not a step's), and the last row holds the longer run's final eval."""
+    small = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.test_size=4", "eval.num_problems=2",
+             "eval.k=1", "sft.batch_size=4", "train.save_every=1", "sft.lr_schedule=constant", "sft.warmup_steps=0"]
+    r = run_cli("sft", *small, "sft.steps=3", f"train.output_dir={tmp_path / 'whole'}", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for steps in (2, 3):
+        r = run_cli("sft", *small, f"sft.steps={steps}", "train.resume=auto", f"train.output_dir={tmp_path / 'parts'}",
+                    timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        if steps == 2:   # the shorter run logged its final eval with its last step
+            assert any(k.startswith("eval/") for k in json.loads(
+                (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()[-1]))
+
+    def rows(d):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "perf/"))}
+                for x in (d / "metrics.jsonl").read_text().splitlines()]
+    whole, parts = rows(tmp_path / "whole"), rows(tmp_path / "parts")
+    assert len(whole) == 3 and parts == whole
+    assert any(k.startswith("eval/") for k in whole[-1]) and not any(k.startswith("eval/") for k in whole[1])

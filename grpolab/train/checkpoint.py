@@ -638,3 +638,18 @@ def _log_step(line: str) -> int | None:
         return None
     step = rec.get("step") if isinstance(rec, dict) else None
     return step if isinstance(step, int) else None
+
+
+def drop_final_eval(path: Path, step: int) -> None:
+    """Remove the eval/* keys from `step`'s row, the last one of metrics.jsonl (the final eval of a run now
+    being continued past it); rewritten atomically, and only when there are any."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    if not lines:
+        return
+    row = json.loads(lines[-1])
+    if row.get("step") != step or not any(k.startswith("eval/") for k in row):
+        return
+    lines[-1] = json.dumps({k: v for k, v in row.items() if not k.startswith("eval/")}) + "\n"
+    write_atomic(path, "".join(lines))

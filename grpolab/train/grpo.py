@@ -49,8 +49,7 @@ from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .critic import CriticTrainer
 from .finite_step import count_nonfinite, params_of, restore, snapshot
-from ..utils.files import write_atomic
-from .checkpoint import cut_logs, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
+from .checkpoint import cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
 from .master import MasterWeights
 from .memory_budget import check_run_memory, model_shape
@@ -819,21 +818,6 @@ class GRPOTrainer:
             every = self.cfg.train.eval_every
             if not (every and self.step % every == 0):   # continuing a finished run: its final eval was not a
                 drop_final_eval(self.run_dir / "metrics.jsonl", self.step)   # step's, as in an unbroken run
-
-
-def drop_final_eval(path: Path, step: int) -> None:
-    """Remove the eval/* keys from `step`'s row, the last one of metrics.jsonl (the final eval of a run now
-    being continued past it); rewritten atomically, and only when there are any."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    if not lines:
-        return
-    row = json.loads(lines[-1])
-    if row.get("step") != step or not any(k.startswith("eval/") for k in row):
-        return
-    lines[-1] = json.dumps({k: v for k, v in row.items() if not k.startswith("eval/")}) + "\n"
-    write_atomic(path, "".join(lines))
 
 
 class _StopFlag:

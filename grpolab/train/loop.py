@@ -24,7 +24,7 @@ from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import add_lora, has_lora, lora_config
 from .finite_step import count_nonfinite, restore, snapshot
-from .checkpoint import cut_logs, load_training_state, prune_checkpoints, save_checkpoint
+from .checkpoint import cut_logs, drop_final_eval, load_training_state, prune_checkpoints, save_checkpoint
 from .master import MasterWeights
 from .schedule import lr_factor
 
@@ -222,7 +222,7 @@ class OfflineTrainer:
             if files else contextlib.nullcontext()
         self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
         out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if files else contextlib.nullcontext()
-        pending = None   # the last step's row, written after the final eval
+        pending, pending_at = None, 0   # the last step's row and where it starts in metrics.jsonl
         with trackers, out as f, self.progress:
             with stop:
                 while self.step < self.max_steps:
@@ -231,12 +231,13 @@ class OfflineTrainer:
                         m.update(self.evaluate())
                     history.append(m)
                     if files and final_eval and self.step == self.max_steps and stop.signal is None:
-                        pending = m
-                        break
-                    if files:
+                        pending, pending_at = m, f.tell()
+                    if files:   # written now: a crash in the final eval below loses no step
                         f.write(json.dumps(m) + "\n")
                         f.flush()
                         trackers.log(m, self.step)
+                    if pending is not None:
+                        break
                     now = time.perf_counter()
                     if self.console is not None and (self.step % every == 0 or self.step == self.max_steps
                                                      or now - said >= PROGRESS_SECONDS):
@@ -255,9 +256,11 @@ class OfflineTrainer:
             if pending is not None:   # the final checkpoint is safe first; then the held-out eval, in the last row
                 self.final_eval = self.evaluate()
                 pending.update(self.final_eval)
+                f.seek(pending_at)   # the last step's row again, now with the eval (trackers: the eval alone)
+                f.truncate()
                 f.write(json.dumps(pending) + "\n")
                 f.flush()
-                trackers.log(pending, self.step)
+                trackers.log(self.final_eval, self.step)
                 if self.console is not None:
                     self.console.progress(self.job, self.step, self.max_steps, time.perf_counter() - start,
                                           self.progress_parts(pending), start_step=start_step)
@@ -315,3 +318,7 @@ class OfflineTrainer:
         self.restore_extra(tr)
         if self.run_dir is not None:
             cut_logs(self.run_dir, self.step)
+            every = self.cfg.train.eval_every
+            if not (every and self.step % every == 0):   # continuing a finished run: its final eval was not a
+                drop_final_eval(self.run_dir / "metrics.jsonl", self.step)   # step's, as in an unbroken run
+

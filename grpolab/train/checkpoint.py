@@ -640,10 +640,11 @@ def _log_step(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def drop_final_eval(path: Path, step: int) -> None:
-    """Remove the eval/* keys from `step`'s row, the last one of metrics.jsonl (the final eval of a run now
-    being continued past it); rewritten atomically, and only when there are any."""
-    if not path.exists():
+def drop_final_eval(path: Path, step: int, eval_every: int) -> None:
+    """Continuing a finished run past `step`: remove the eval/* keys from `step`'s row, the last one of
+    metrics.jsonl, unless train.eval_every evaluates at that step anyway (an unbroken run has no eval there
+    otherwise); rewritten atomically, and only when there are any."""
+    if (eval_every and step % eval_every == 0) or not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
     if not lines:

@@ -56,6 +56,11 @@ def restore(opt: torch.optim.Optimizer, saved: tuple[list[torch.Tensor], dict]) 
                 opt.state[p][k] = v
 
 
+def overflowed(loss: float, norm: float, lr: float) -> str:
+    """How an update that made weights non-finite is described, in the trainers' one-line messages."""
+    return f"the update made weights NaN/inf (loss {loss}, gradient norm {norm}, lr {lr:g})"
+
+
 def count_nonfinite(params) -> int:
     """How many of these tensors (local shards) hold a NaN or inf. Fast path: a NaN or inf anywhere makes the
     float32 sum of all the sums non-finite, so a finite one proves every element finite with one

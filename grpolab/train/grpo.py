@@ -48,7 +48,7 @@ from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .critic import CriticTrainer
-from .finite_step import count_nonfinite, params_of, restore, snapshot
+from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
 from .checkpoint import cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
 from .logprobs import completion_logprobs, logprob_chunk
 from .master import MasterWeights
@@ -541,9 +541,9 @@ class GRPOTrainer:
         return {**out, **critic}
 
     def _nonfinite_weights(self, loss: float, norm: float) -> str:
-        return (f"step {self.step + 1}: the update made weights NaN/inf (loss {loss}, gradient norm {norm}, lr "
-                f"{self.opt.param_groups[0]['lr']:g}); stopped before saving them (the last checkpoint is kept). Lower "
-                f"optim.lr, or set train.undo_nonfinite_updates=true to undo and count such updates")
+        return (f"step {self.step + 1}: {overflowed(loss, norm, self.opt.param_groups[0]['lr'])}; stopped before "
+                f"saving them (the last checkpoint is kept). Lower optim.lr, or set train.undo_nonfinite_updates=true "
+                f"to undo and count such updates")
 
     def _bad_step(self, loss: float, norm: float, weights: bool = False) -> None:
         """Count a skipped update (non-finite loss or gradient norm; with `weights`, an update that made
@@ -552,8 +552,7 @@ class GRPOTrainer:
         self.model.zero_grad(set_to_none=True)
         self.bad_steps += 1
         limit = self.cfg.train.max_bad_steps
-        what = (f"the update made weights NaN/inf (loss {loss}, gradient norm {norm}, lr "
-                f"{self.opt.param_groups[0]['lr']:g}); update undone" if weights else
+        what = (f"{overflowed(loss, norm, self.opt.param_groups[0]['lr'])}; update undone" if weights else
                 f"non-finite loss ({loss}) or gradient norm ({norm}); update skipped")
         msg = f"step {self.step + 1}: {what} ({self.bad_steps} so far, train.max_bad_steps={limit})"
         if self.bad_steps > limit:
@@ -815,9 +814,7 @@ class GRPOTrainer:
         self.wandb_run_id = state["trainer"].get("wandb_run_id")
         if self.world.main:   # rank 0 owns the files
             cut_logs(self.run_dir, self.step)
-            every = self.cfg.train.eval_every
-            if not (every and self.step % every == 0):   # continuing a finished run: its final eval was not a
-                drop_final_eval(self.run_dir / "metrics.jsonl", self.step)   # step's, as in an unbroken run
+            drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)
 
 
 class _StopFlag:

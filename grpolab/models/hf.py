@@ -12,6 +12,7 @@ prompts and right-padded completions see exactly the positions they would see al
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import urllib.error
 import urllib.request
@@ -202,13 +203,13 @@ class HFPolicy(nn.Module):
         cache.count = start + valid.sum(-1)
         if hidden:   # hidden states through the cache (a shared prompt's keys and values, with autograd)
             out = self.causal_lm().base_model(input_ids=idx, attention_mask=cache.mask, position_ids=pos,
-                                              past_key_values=cache.past, use_cache=True)
-            cache.past = out.past_key_values
+                                              use_cache=True, **_cache_kwarg(self.causal_lm(), cache.past))
+            cache.past = _cache_out(out)
             h = out.last_hidden_state
             return h[:, -logits_to_keep:] if logits_to_keep else h
-        out = self.hf(input_ids=idx, attention_mask=cache.mask, position_ids=pos, past_key_values=cache.past,
-                      use_cache=True, logits_to_keep=logits_to_keep)
-        cache.past = out.past_key_values
+        out = self.hf(input_ids=idx, attention_mask=cache.mask, position_ids=pos, use_cache=True,
+                      logits_to_keep=logits_to_keep, **_cache_kwarg(self.causal_lm(), cache.past))
+        cache.past = _cache_out(out)
         return out.logits
 
     def num_params(self) -> int:
@@ -217,6 +218,17 @@ class HFPolicy(nn.Module):
     def save(self, path: str | Path, state_dict: dict | None = None) -> None:
         """save_pretrained layout; `state_dict` (HF names) in place of the model's own, e.g. gathered shards."""
         self.hf.save_pretrained(str(path), safe_serialization=True, state_dict=state_dict)
+
+
+def _cache_kwarg(causal_lm, past) -> dict:
+    """The KV cache as the model's forward names it: `cache` (transformers >= 5.2x, which warns on the
+    old name) or `past_key_values`."""
+    return {"cache" if "cache" in inspect.signature(causal_lm.forward).parameters else "past_key_values": past}
+
+
+def _cache_out(out):
+    """The KV cache an output carries, under either name."""
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
 def _packed_mask_and_positions(key_valid: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Callable
 from .answers import gsm8k_accuracy
 from .code import code_exec
 from .errors import RewardError, UnknownRewardError
-from .format import answer_format, think_format
+from .format import answer_format, boxed_format, think_format
 from . import length as _length  # not `from .length import length`: keep rewards.length the module
 from .length import make_length_reward
 from .math_answers import math_accuracy
@@ -36,6 +36,7 @@ REWARDS: dict[str, RewardFn] = {
     "format": answer_format,
     "math_accuracy": math_accuracy,
     "think_format": think_format,
+    "boxed_format": boxed_format,
     "length": _length.length,
     # runs the completion's program against the row's tests in a sandbox (rewards/code.py, grpolab/sandbox)
     "code_exec": code_exec,

@@ -123,7 +123,7 @@ def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, spl
     model's context for rollout.max_new_tokens (with tools: rollout.max_completion_tokens)."""
     r = cfg.rollout
     if r.tools:   # a chat template renders the tools into the prompt: measure prompts as they will be
-        build_tool_use(r, tok).close()
+        build_tool_use(r, tok, cfg.model.name_or_path).close()
     limit = cfg.data.max_prompt_length
     context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", None)
     if context:

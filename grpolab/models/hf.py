@@ -16,6 +16,7 @@ import inspect
 import logging
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +25,9 @@ import torch.nn as nn
 from ..config import ConfigError
 from ..data.loading import DataError
 from .lean_decode import LeanCache, LeanDecoder, unsupported_reason
+
+# peft (adding or loading adapters) still calls transformers' renamed is_gradient_checkpointing
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

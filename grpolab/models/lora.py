@@ -12,7 +12,6 @@ they are trained, and the policy with its adapters switched off is the frozen re
 from __future__ import annotations
 
 import contextlib
-import warnings
 from pathlib import Path
 
 from torch import nn
@@ -63,9 +62,7 @@ def add_lora(model: nn.Module, settings: dict) -> nn.Module:
     frozen. Returns the same policy object."""
     peft = _peft()
     if hasattr(model, "hf"):
-        with warnings.catch_warnings():   # peft calls transformers' renamed is_gradient_checkpointing
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            model.hf = peft.get_peft_model(model.hf, peft.LoraConfig(task_type="CAUSAL_LM", **settings))
+        model.hf = peft.get_peft_model(model.hf, peft.LoraConfig(task_type="CAUSAL_LM", **settings))
         cfg = model.hf.peft_config["default"]
         base = cfg.base_model_name_or_path
         if base and Path(base).exists():   # a local base: its absolute path, so a resume from elsewhere finds it

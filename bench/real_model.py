@@ -2,8 +2,8 @@
 numbers with standard errors and a plot, from the files the runs wrote, plus a held-out sample
 for the length run.
 
-    # after `grpolab train configs/smollm2_length.yaml` (held-out: 64 GSM8K test questions x 4 samples,
-    # base model and the run's last checkpoint, sampled like the run: T=1, 48 new tokens)
+    # after `grpolab train configs/smollm2_length.yaml` (held-out: 64 GSM8K test questions x 4 samples
+    # with the run's system prompt, base model and the run's last checkpoint; T=1, 48 new tokens)
     .venv/bin/python bench/real_model.py length runs/smollm2_length [--plot docs/smollm2_length.png]
     # after the math run and the base model's eval (commands in configs/smollm2_math.yaml)
     .venv/bin/python bench/real_model.py math runs/smollm2_math runs/smollm2_math_before/eval.json \
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -44,7 +46,7 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / n)
 
 
-def _sample_lengths(model: Path, prompts: list[str], n: int, seed: int) -> list[int]:
+def _sample_lengths(model: Path, prompts: list, n: int, seed: int) -> list[int]:
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
         inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -61,7 +63,9 @@ def _sample_lengths(model: Path, prompts: list[str], n: int, seed: int) -> list[
 def length(run: Path, plot: Path | None, prompts: int = 64, n: int = 4) -> dict:
     metrics = _rows(run / "metrics.jsonl")
     cfg_model = str(ROOT / "models" / "SmolLM2-135M-Instruct")
-    questions = [r["question"] for r in _rows(GSM8K_TEST)[:prompts]]
+    system = yaml.safe_load((run / "config.yaml").read_text())["data"]["system_prompt"]
+    questions = [[{"role": "system", "content": system}, {"role": "user", "content": r["question"]}]
+                 for r in _rows(GSM8K_TEST)[:prompts]]   # the run's prompts: its system prompt, chat messages
     out = {"run": str(run), "steps": len(metrics), "train_seconds": round(sum(m["time/step"] for m in metrics), 1)}
     for name, model in (("before", cfg_model), ("after", str(_last_checkpoint(run)))):
         lens = _sample_lengths(Path(model), questions, n, seed=1)

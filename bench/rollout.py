@@ -15,24 +15,37 @@ The lengths are checked on both outputs. Each figure is also stated against this
 (bench/roofline.py, measured in the same run): useful matmul FLOP/s over the decode-shape matmul
 rate, and bytes of weights and KV cache read per second over the copy bandwidth.
 
-All runs: temperature 1.0, fp32, CPU, 2 threads; runs alternate (ours, HF, ours, HF, ...) after a
+--model smollm2 (or a model directory): a real pretrained model (SmolLM2-135M-Instruct, bench/_smollm2.py)
+with its own tokenizer: the first --prompts held-out GSM8K-easy problems in its chat template (system
+prompt included; prompts of different lengths, left-padded for HF) x 8 samples, at most --max-new new
+tokens, in the same two regimes (variable: 16 + (max-16) u^3, the end-of-turn token forced as above);
+and "variable_lora": the variable regime with LoRA r16 adapters on every block linear, the policy the
+trainer samples from in bench/race.py --model (ours, then, cannot use its lean decode path: see the
+`path` field), against HF `generate` on the same peft model.
+
+All runs: temperature 1.0, fp32, CPU, 2 threads (--threads: the same number on both sides); runs alternate (ours, HF, ours, HF, ...) after a
 warm-up; the medians and their ratio are printed as one JSON line.
 
     python bench/rollout.py [--runs 5] [--shape tiny|realistic]
+    python bench/rollout.py --model smollm2 [--runs 3] [--prompts 4] [--max-new 128] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
+import platform
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
 from grpolab.data.tasks import arithmetic
-from grpolab.models import CharTokenizer, GPT, GPTConfig
+from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.hf import load_hf
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.rollout.engine import generate
@@ -140,8 +153,6 @@ def r_hf(policy, prompts, seed, lengths=None) -> tuple[float, int]:
 
 
 def realistic(runs: int) -> dict:
-    import os
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import roofline
 
@@ -179,12 +190,128 @@ def realistic(runs: int) -> dict:
     return result
 
 
+# ---- a real model (--model) ---------------------------------------------------------------------------
+
+def m_lengths(rows: int, max_new: int) -> torch.Tensor:
+    """RL-like completion lengths: 16 + (max_new - 16) u^3, u uniform (seeded), the longest set to max_new."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(rows, generator=g)
+    lengths = (16 + (max_new - 16) * u ** 3).long()
+    lengths[lengths.argmax()] = max_new
+    return lengths
+
+
+def m_force(logits: torch.Tensor, t: int, rows: torch.Tensor, lengths: torch.Tensor, eos: int) -> torch.Tensor:
+    """EOS impossible before a row's length, certain at it (token t is the (t+1)-th)."""
+    logits[:, eos] = float("-inf")
+    at = lengths[rows.to(lengths.device)] == t + 1
+    if bool(at.any()):
+        logits[at] = float("-inf")
+        logits[at, eos] = 0.0
+    return logits
+
+
+def m_ours(policy, prompts, samples, max_new, eos, pad, seed, lengths=None) -> float:
+    g = torch.Generator().manual_seed(seed)
+    hook = None if lengths is None else (lambda lg, t, rows: m_force(lg, t, rows, lengths, eos))
+    t = time.perf_counter()
+    out = generate(policy, prompts, num_generations=samples, max_new_tokens=max_new, temperature=1.0,
+                   stop_ids=() if lengths is None else (eos,), pad_id=pad, generator=g, logits_hook=hook)
+    dt = time.perf_counter() - t
+    got = out.completion_mask.sum(-1)
+    want = lengths if lengths is not None else torch.full_like(got, max_new)
+    assert torch.equal(got, want), "ours: completion lengths differ from the forced ones"
+    return dt
+
+
+def m_hf(hf_model, prompts, samples, max_new, eos, pad, seed, lengths=None) -> float:
+    from transformers import LogitsProcessor, LogitsProcessorList
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return m_force(scores, input_ids.size(1) - width, torch.arange(scores.size(0)), lengths, eos)
+    extra = ({"min_new_tokens": max_new, "eos_token_id": None} if lengths is None else
+             {"eos_token_id": eos, "logits_processor": LogitsProcessorList([Force()])})
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                top_p=1.0, max_new_tokens=max_new, num_return_sequences=samples, pad_token_id=pad,
+                                **extra)
+    dt = time.perf_counter() - t
+    gen = out[:, width:]
+    if lengths is None:
+        assert gen.size(1) == max_new
+    else:
+        first_eos = (gen == eos).long().argmax(-1) + 1
+        assert torch.equal(first_eos, lengths), "HF: completion lengths differ from the forced ones"
+    return dt
+
+
+def real_model(model_arg: str, runs: int, n_prompts: int, max_new: int, samples: int = 8) -> dict:
+    """Our engine vs HF generate on a real model and its chat prompts (see the module docstring)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _smollm2 as sm
+    import transformers
+
+    from grpolab.models.lean_decode import unsupported_reason
+    from grpolab.models.lora import add_lora
+    model = sm.resolve_model(model_arg)
+    s = sm.Setting(max_new=max_new)
+    policy, tok = load_hf(str(model))
+    prompts = [tok.render_prompt(r["prompt"]) for r in sm.eval_rows(n_prompts, model, s)]
+    lengths = m_lengths(n_prompts * samples, max_new)
+    lora = copy.deepcopy(policy)
+    add_lora(lora, {"r": s.lora_r, "lora_alpha": s.lora_alpha, "lora_dropout": 0.0,
+                    "target_modules": list(sm.LORA_TARGETS)})
+    lora.hf.eval()
+    result = {"bench": "rollout", "model": str(model), "params": sum(p.numel() for p in policy.parameters()),
+              "prompts": n_prompts, "samples": samples, "prompt_tokens": [len(p) for p in prompts],
+              "max_new": max_new, "runs": runs, "eos": tok.eos_id}
+    load0 = os.getloadavg()[0]
+    regimes = (("fixed", policy, None), ("variable", policy, lengths), ("variable_lora", lora, lengths))
+    for regime, pol, lens in regimes:
+        args = (prompts, samples, max_new, tok.eos_id, tok.pad_id)
+        m_ours(pol, *args, 0, lens), m_hf(pol.hf, *args, 0, lens)   # warm-up
+        a, b = [], []
+        for i in range(runs):
+            a.append(m_ours(pol, *args, i + 1, lens))
+            b.append(m_hf(pol.hf, *args, i + 1, lens))
+        useful = int(lens.sum()) if lens is not None else n_prompts * samples * max_new
+        ours_s, hf_s = statistics.median(a), statistics.median(b)
+        why = unsupported_reason(pol.hf, max(len(p) for p in prompts) + max_new)
+        result[regime] = {"useful_tokens": useful, "ours_tok_s": round(useful / ours_s, 1),
+                          "hf_generate_tok_s": round(useful / hf_s, 1), "ratio_ours_over_hf": round(hf_s / ours_s, 2),
+                          # the fastest run of each: the least disturbed by other load on a shared machine
+                          "ratio_best_ours_over_best_hf": round(min(b) / min(a), 2),
+                          "path": "lean decode" if why is None else f"model forward + DynamicCache ({why})",
+                          "ours_s": [round(x, 2) for x in a], "hf_s": [round(x, 2) for x in b]}
+        print(f"{regime}: {result[regime]}", file=sys.stderr, flush=True)
+    result.update({"loadavg_1m_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                   "machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
+                   "transformers": transformers.__version__})
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--shape", choices=["tiny", "realistic"], default="tiny")
+    ap.add_argument("--model", help="a real model: 'smollm2' or a model directory (see above)")
+    ap.add_argument("--prompts", type=int, default=4, help="--model: held-out prompts (x 8 samples)")
+    ap.add_argument("--max-new", type=int, default=128, help="--model: new tokens at most (>= 17)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides (1: steadier where other "
+                    "jobs oversubscribe the cores, as a 2-thread decode then waits at every op's barrier)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    if args.model:
+        if args.prompts < 1 or args.max_new < 17 or args.runs < 1:
+            ap.error("--prompts and --runs must be >= 1, --max-new >= 17")
+        print(json.dumps({**real_model(args.model, args.runs, args.prompts, args.max_new), "torch": torch.__version__}))
+        return
     if args.shape == "realistic":
         print(json.dumps({**realistic(args.runs), "torch": torch.__version__}))
         return

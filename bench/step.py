@@ -29,6 +29,15 @@ TRL is not a project dependency; it lives in this benchmark's own environment:
 
     bench/.venv-trl/bin/python bench/step.py [--runs 5] [--warmup 1]
 
+--model smollm2 (or a model directory): a real pretrained model in the setting of bench/_smollm2.py
+(SmolLM2-135M-Instruct + LoRA r16 on every block linear, GSM8K-easy chat prompts in the order grpolab's
+sampler draws them, rewards gsm8k_accuracy + format, beta 0, lr 1e-4, micro-batches of 8 rows with
+gradient accumulation on both sides), --prompts (default 4) x 8 completions of exactly --new-tokens
+(default 128) tokens each: the end-of-turn token is masked on both sides as described below, so both do
+the same work. The time breakdown of TRL's step (generation, scoring, the rest) is reported too.
+
+    bench/.venv-trl/bin/python bench/step.py --model smollm2 [--runs 2] [--warmup 1] [--prompts 4] [--new-tokens 128]
+
 Run with a Python that has no TRL (e.g. `.venv/bin/python bench/step.py`) it says so in the
 JSON (`"trl": null` and a `note`) and measures ours alone, exit status 0.
 
@@ -78,6 +87,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -86,6 +96,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smollm2  # bench/_smollm2.py (this script's folder is on sys.path): the --model setting
 import torch
 
 from grpolab.config import config_from_dict
@@ -102,6 +113,7 @@ SHAPES = {   # prompts, completions per prompt, prompt tokens (None: the task's 
     "realistic": {"prompts": 8, "G": 8, "prompt_tokens": 128, "new_tokens": 128},
 }
 P, G, NEW_TOKENS = 1, 8, 64   # set from --shape in main()
+REAL: dict | None = None      # --model: {"model": its directory, "setting": _smollm2.Setting}
 REWARD = "length"   # grpolab.rewards.length, given to TRL as the very same function
 TRL_INSTALL = ("python3 -m venv bench/.venv-trl && bench/.venv-trl/bin/pip install torch==2.13.0 && "
                "bench/.venv-trl/bin/pip install -r bench/requirements-trl.txt && "
@@ -121,8 +133,11 @@ def trl_version() -> str | None:
     return trl.__version__
 
 
-def the_rows(shape: str) -> list[dict]:
-    """The P arithmetic word problems every step trains on ('prompt', 'answer')."""
+def the_rows(shape: str, steps: int = 1) -> list[dict]:
+    """The P arithmetic word problems every step trains on ('prompt', 'answer'); with --model, the
+    P x `steps` GSM8K rows grpolab's trainer draws in its first `steps` steps."""
+    if REAL:
+        return _smollm2.drawn_rows(REAL["setting"], steps, REAL["model"])
     if SHAPES[shape]["prompt_tokens"] is None:
         return arithmetic.generate("train", P, seed=0)
     import memory
@@ -148,6 +163,11 @@ def peak_rss_mib() -> float:
 
 def build_ours(model_dir: Path, rows: list[dict], run_dir: Path) -> GRPOTrainer:
     """Our trainer on the tiny Llama, configured like the TRL side (see the module docstring)."""
+    if REAL:
+        trainer = _smollm2.build_ours(model_dir, run_dir, REAL["setting"])
+        got = _smollm2.ours_draws(trainer, REAL["setting"], len(rows) // P)
+        assert [(r["prompt"], r["answer"]) for r in got] == [(r["prompt"], r["answer"]) for r in rows]
+        return trainer
     cfg = config_from_dict({
         "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
         "algorithm": {"preset": "grpo", "beta": BETA, "num_iterations": 1},
@@ -179,8 +199,11 @@ def ours_step(trainer: GRPOTrainer) -> tuple[float, dict]:
 
 def build_trl(model_dir: Path, rows: list[dict], out_dir: Path, max_steps: int, callbacks: list):
     """TRL's GRPOTrainer with the same model, prompt, reward and settings as ours."""
+    if REAL:
+        return _smollm2.build_trl(model_dir, rows, out_dir, REAL["setting"], max_steps, callbacks)
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer as TRLGRPOTrainer
+    from trl import GRPOConfig
+    from trl import GRPOTrainer as TRLGRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(out_dir), max_steps=max_steps, seed=SEED,
@@ -220,8 +243,8 @@ def _no_checkpointing(config_cls) -> dict:
 
 def check_trl_batch(trainer) -> None:
     """TRL keeps the step's generated batch in `_buffered_inputs`; check it is G x NEW_TOKENS, all real tokens."""
-    batch = trainer._buffered_inputs[0]
-    ids, mask = batch["completion_ids"], batch["completion_mask"]
+    ids = torch.cat([b["completion_ids"] for b in trainer._buffered_inputs])   # its micro-batches
+    mask = torch.cat([b["completion_mask"] for b in trainer._buffered_inputs])
     assert tuple(ids.shape) == (P * G, NEW_TOKENS) and int(mask.sum()) == P * G * NEW_TOKENS, \
         f"TRL produced {tuple(ids.shape)} / {int(mask.sum())} completion tokens"
 
@@ -280,24 +303,26 @@ def median_breakdown(metrics: list[dict]) -> dict:
 
 
 def measure_rss(which: str, model_dir: Path, warmup: int, shape: str) -> float:
-    """Peak RSS (MiB) of a fresh process running `which` alone (model load, warm-up, 2 steps)."""
-    cmd = [sys.executable, __file__, "--only", which, "--model-dir", str(model_dir), "--warmup", str(warmup),
-           "--shape", shape]
+    """Peak RSS (MiB) of a fresh process running `which` alone (model load, warm-up, 2 steps; --model: 1 step)."""
+    cmd = [sys.executable, __file__, "--only", which, "--model-dir", str(model_dir), "--warmup", str(warmup)]
+    cmd += ["--model", str(model_dir), "--prompts", str(P), "--new-tokens", str(NEW_TOKENS)] if REAL else \
+        ["--shape", shape]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
 
 
 def run_only(which: str, model_dir: Path, warmup: int, shape: str) -> dict:
     """The --only child: one trainer alone, for its peak RSS."""
-    rows = the_rows(shape)
+    steps = 1 if REAL else warmup + 2   # a real model's step takes minutes here; the first one reaches the peak
+    rows = the_rows(shape, steps)
     with tempfile.TemporaryDirectory() as tmp:
         if which == "ours":
             trainer = build_ours(model_dir, rows, Path(tmp))
-            for _ in range(warmup + 2):
+            for _ in range(steps):
                 ours_step(trainer)
         else:
             cb = alternating_callback(None, warmup)
-            trainer = build_trl(model_dir, rows, Path(tmp), warmup + 2, [cb])
+            trainer = build_trl(model_dir, rows, Path(tmp), steps, [cb])
             cb.trainer = trainer
             torch.set_num_threads(THREADS)
             trainer.train()
@@ -323,10 +348,14 @@ def step_flops(model_dir: Path, prompt_tokens: int) -> float:
 
 def run_bench(model_dir: Path, runs: int, warmup: int, shape: str) -> dict:
     """Timed alternation in this process, then each side's peak RSS in its own process."""
-    rows = the_rows(shape)
+    rows = the_rows(shape, warmup + runs)
     version = trl_version()
     result: dict = {"bench": "step", "shape": shape, "prompts": P, "completions": G, "new_tokens": NEW_TOKENS, "beta": BETA,
                     "runs": runs, "warmup": warmup, "threads": THREADS, "reward": REWARD}
+    if REAL:
+        result.update({"model": str(model_dir), "setting": dataclasses.asdict(REAL["setting"]),
+                       "reward": list(_smollm2.REWARD_NAMES), "beta": REAL["setting"].beta,
+                       "loadavg_1m_start": round(os.getloadavg()[0], 2)})
     with tempfile.TemporaryDirectory() as tmp:
         ours = build_ours(model_dir, rows, Path(tmp) / "ours")
         prompt_tokens = len(ours.tok.render_prompt(rows[0]["prompt"]))
@@ -341,11 +370,15 @@ def run_bench(model_dir: Path, runs: int, warmup: int, shape: str) -> dict:
             cb = alternating_callback(ours, warmup)
             trl = build_trl(model_dir, rows, Path(tmp) / "trl", warmup + runs, [cb])
             cb.trainer = trl
-            gen_seconds = time_trl_generate(trl)
+            gen_seconds = time_trl_generate(trl) if not REAL else None
+            timers = _smollm2.TRLTimers(trl) if REAL else None
             torch.set_num_threads(THREADS)   # again: nothing on the way may have changed it
             log(f"alternating ours / TRL: {warmup} warm-up + {runs} timed steps each")
             trl.train()
             ours_s, ours_m, trl_s = cb.ours, cb.ours_metrics, cb.trl
+            if REAL:   # one generation and one scoring call per step
+                gen_seconds = timers.generate
+                trl_rew = statistics.median(timers.reward[warmup:])
             trl_gen = statistics.median(gen_seconds[warmup:])
         assert len(ours_s) == runs and (trl_s is None or len(trl_s) == runs)
     ours_med = statistics.median(ours_s)
@@ -364,6 +397,10 @@ def run_bench(model_dir: Path, runs: int, warmup: int, shape: str) -> dict:
         trl_med = statistics.median(trl_s)
         result["trl_s_per_step"] = round(trl_med, 4)
         result["trl_generate_s"] = round(trl_gen, 4)
+        if REAL:
+            result["trl_breakdown_s"] = {"generate": round(trl_gen, 4), "reward": round(trl_rew, 4),
+                                         "rest": round(trl_med - trl_gen - trl_rew, 4)}
+            result["ratio_trl_over_ours_generate"] = round(trl_gen / result["ours_breakdown_s"]["generate"], 2)
         result["trl_runs_s"] = [round(t, 4) for t in trl_s]
         result["ratio_trl_over_ours"] = round(trl_med / ours_med, 2)
         if shape == "realistic":
@@ -391,11 +428,19 @@ def main() -> None:
     ap.add_argument("--shape", choices=tuple(SHAPES), default="tiny", help="the model and batch (see above)")
     ap.add_argument("--only", choices=("ours", "trl"), help=argparse.SUPPRESS)     # peak-RSS child
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)              # peak-RSS child
+    ap.add_argument("--model", help="a real model: 'smollm2' or a model directory (see above)")
+    ap.add_argument("--prompts", type=int, default=4, help="--model: prompts per step (x 8 completions)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="--model: tokens per completion")
     args = ap.parse_args()
-    if args.runs < 1 or args.warmup < 0:
-        ap.error("--runs must be >= 1 and --warmup >= 0")
-    global P, G, NEW_TOKENS
+    if args.runs < 1 or args.warmup < 0 or args.prompts < 1 or args.new_tokens < 1:
+        ap.error("--runs, --prompts and --new-tokens must be >= 1 and --warmup >= 0")
+    global P, G, NEW_TOKENS, REAL
     P, G, NEW_TOKENS = (SHAPES[args.shape][k] for k in ("prompts", "G", "new_tokens"))
+    if args.model:
+        model = _smollm2.resolve_model(args.model)
+        setting = _smollm2.Setting(prompts=args.prompts, max_new=args.new_tokens, exact_length=True)
+        REAL = {"model": model, "setting": setting}
+        P, G, NEW_TOKENS, args.shape = setting.prompts, setting.completions, setting.max_new, "model"
     sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/memory.py and bench/roofline.py
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
@@ -407,7 +452,9 @@ def main() -> None:
         else:
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as d:
-                if args.shape == "tiny":
+                if REAL:
+                    model_dir = REAL["model"]
+                elif args.shape == "tiny":
                     model_dir = save_tiny_model(Path(d) / "tiny-llama", vocab_size=512, hidden=128, layers=4,
                                                 heads=4, intermediate=512)
                 else:

@@ -7,7 +7,7 @@ for the length run.
     .venv/bin/python bench/real_model.py length runs/smollm2_length [--plot docs/smollm2_length.png]
     # after the math run and the base model's eval (commands in configs/smollm2_math.yaml)
     .venv/bin/python bench/real_model.py math runs/smollm2_math runs/smollm2_math_before/eval.json \
-        [--plot docs/smollm2_math.png]
+        [--after runs/smollm2_math_after/eval.json] [--plot docs/smollm2_math.png]
 
 One JSON line on stdout. Standard errors: sqrt(p(1-p)/n) over the n problems for every metric
 (exact for greedy accuracy, conservative for pass@1); a difference's SE is the two in quadrature
@@ -102,12 +102,12 @@ def _eval_ses(ev: dict, n: int, k: int) -> dict:
             for key in ("greedy_accuracy", "pass@1", f"pass@{k}") if key in ev} | {"n": n}
 
 
-def math_run(run: Path, before_json: Path, plot: Path | None) -> dict:
+def math_run(run: Path, before_json: Path, plot: Path | None, after_json: Path | None = None) -> dict:
     metrics = _rows(run / "metrics.jsonl")
     k = 4
     n = len(_rows(before_json.with_name("eval_samples.jsonl")))   # the problems both evals scored
     before = _eval_ses(json.loads(before_json.read_text()), n, k)
-    after = _eval_ses(json.loads((run / "eval.json").read_text()), n, k)
+    after = _eval_ses(json.loads((after_json or run / "eval.json").read_text()), n, k)
     out = {"run": str(run), "steps": len(metrics), "train_seconds": round(sum(m["time/step"] for m in metrics), 1),
            "before": before, "after": after}
     for key in before:
@@ -157,8 +157,9 @@ def main() -> None:
     b.add_argument("run", type=Path)
     b.add_argument("before", type=Path)
     b.add_argument("--plot", type=Path)
+    b.add_argument("--after", type=Path, help="eval.json of the trained model (default RUN/eval.json, the final eval)")
     args = ap.parse_args()
-    res = length(args.run, args.plot) if args.cmd == "length" else math_run(args.run, args.before, args.plot)
+    res = length(args.run, args.plot) if args.cmd == "length" else math_run(args.run, args.before, args.plot, args.after)
     print(json.dumps(res))
 
 

@@ -11,9 +11,10 @@ enters train.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from dataset_dir import read_rows, write_dataset   # scripts/: run as files, this folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -33,19 +34,10 @@ def select(train: list[dict], test: list[dict]) -> tuple[list[dict], list[dict]]
     return easy_train, [test[i] for i in sorted(order[:TEST_SIZE])]
 
 
-def _read(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
 
 def main(src: Path = DEFAULT_SRC, out: Path = DEFAULT_OUT) -> None:
-    train, test = select(_read(src / "train.jsonl"), _read(src / "test.jsonl"))
-    out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("test", test)):
-        tmp = out / f"{name}.jsonl.partial"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        tmp.replace(out / f"{name}.jsonl")
+    train, test = select(read_rows(src / "train.jsonl"), read_rows(src / "test.jsonl"))
+    write_dataset(out, {"train": train, "test": test})
     print(f"{out}: {len(train)} train, {len(test)} test problems "
           f"(max {max(map(steps, test))} calculations in test)")
 

@@ -9,10 +9,11 @@ Rows are copied unchanged. MATH-500 is drawn from MATH's test split, so nothing 
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
+
+from dataset_dir import read_rows, write_dataset   # scripts/: run as files, this folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "math"
@@ -28,19 +29,10 @@ def select(train: list[dict], test: list[dict]) -> tuple[list[dict], list[dict]]
     return [r for r in train if r["level"] in LEVELS], [easy_test[i] for i in keep]
 
 
-def _read(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
 
 def main(src: Path = DEFAULT_SRC, out: Path = DEFAULT_OUT) -> None:
-    train, test = select(_read(src / "train.jsonl"), _read(src / "test.jsonl"))
-    out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("test", test)):
-        tmp = out / f"{name}.jsonl.partial"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        tmp.replace(out / f"{name}.jsonl")
+    train, test = select(read_rows(src / "train.jsonl"), read_rows(src / "test.jsonl"))
+    write_dataset(out, {"train": train, "test": test})
     print(f"{out}: {len(train)} train, {len(test)} test problems ({' and '.join(LEVELS)})")
 
 

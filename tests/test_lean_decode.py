@@ -181,3 +181,76 @@ def test_lean_cache_additive_mask_tracks_real_tokens():
     assert torch.equal(cache.bias == 0, expected_valid)
     assert bool(torch.isneginf(cache.bias[~expected_valid]).all())
     assert cache.count.tolist() == [6, 6, 4, 4]
+
+
+def _lora_policy(kind: str, **settings) -> HFPolicy:
+    """A tiny model with grpolab's peft adapters whose B matrices are random (peft starts them at zero,
+    which would make a missing adapter invisible)."""
+    from grpolab.models.lora import add_lora
+    hf = _tiny(kind)
+    _perturb(hf)
+    policy = add_lora(HFPolicy(hf), {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"]} | settings)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in policy.hf.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    policy.hf.eval()
+    return policy
+
+
+def _lean_and_full_logits(policy: HFPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last-token logits decoded through the lean cache, and the HF forward's at the same positions."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    ids, mask = pad_sequences(prompts, pad_id=0, side="left")
+    nxt = torch.randint(1, 97, (len(prompts), 5), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        cache = policy.new_cache(len(prompts), ids.size(1) + 5)
+        assert isinstance(cache, LeanCache)
+        lean = [policy(ids, key_valid=mask, cache=cache, logits_to_keep=1)[:, -1]]
+        for t in range(4):
+            lean.append(policy(nxt[:, t:t + 1], cache=cache)[:, -1])
+        full = policy(torch.cat([ids, nxt], 1), key_valid=torch.cat([mask, torch.ones_like(nxt, dtype=torch.bool)], 1))
+    P = ids.size(1)
+    return torch.stack(lean, 1), full[:, P - 1:P + 4]
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa_bias_rope_scaling", "qwen3"])
+def test_lora_adapters_are_merged_into_the_lean_path(kind):
+    pytest.importorskip("peft")
+    policy = _lora_policy(kind)
+    assert unsupported_reason(policy.hf, 40) is None
+    lean, full = _lean_and_full_logits(policy)
+    torch.testing.assert_close(lean, full, atol=2e-5, rtol=1e-4)
+    # the adapters change the logits, so the agreement above is not the base model's
+    with policy.hf.disable_adapter():
+        base_lean, base_full = _lean_and_full_logits(policy)
+    torch.testing.assert_close(base_lean, base_full, atol=2e-5, rtol=1e-4)
+    assert (base_full - full).abs().max() > 1e-2
+
+
+def test_lora_lean_and_hf_cache_paths_sample_the_same_tokens():
+    pytest.importorskip("peft")
+    policy = _lora_policy("llama")
+    prompts = [[5, 6, 7, 8], [11, 12], [20, 21, 22]]
+    kw = dict(num_generations=3, max_new_tokens=12, temperature=1.0, top_k=20, stop_ids=(3,), pad_id=0)
+    lean = generate(policy, prompts, generator=torch.Generator().manual_seed(4), **kw)
+    policy.lean_decode = False
+    plain = generate(policy, prompts, generator=torch.Generator().manual_seed(4), **kw)
+    assert torch.equal(lean.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(lean.sampler_logprobs, plain.sampler_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_kinds_the_lean_path_does_not_merge_fall_back():
+    pytest.importorskip("peft")
+    dropout = _lora_policy("llama", lora_dropout=0.1)
+    assert unsupported_reason(dropout.hf, 40) is None            # eval mode: dropout is the identity
+    dropout.hf.train()
+    assert "dropout" in unsupported_reason(dropout.hf, 40)
+    assert isinstance(dropout.new_cache(2, 40), HFCache)
+    dora = _lora_policy("llama", use_dora=True)
+    assert "DoRA" in unsupported_reason(dora.hf, 40)
+    embed = _lora_policy("llama", target_modules=["q_proj", "embed_tokens"])
+    assert "embeddings" in unsupported_reason(embed.hf, 40)

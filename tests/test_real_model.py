@@ -91,3 +91,30 @@ def test_sampler_logprobs_equal_the_trainers_and_a_plain_forward(smol):
             logits = model.hf(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1] / 0.8
         plain = logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1)
         torch.testing.assert_close(lp[i][g.completion_mask[i]], plain, atol=1e-5, rtol=0)
+
+
+def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
+    """With peft adapters (the real-model configs' LoRA, B made non-zero) rollouts still take the lean path,
+    which merges the adapters into its weights; the trainer's forward keeps them separate. Same bound as above."""
+    import copy
+    from grpolab.models.lean_decode import LeanCache
+    from grpolab.models.lora import add_lora, block_linear_names
+    model, tok = smol
+    model = add_lora(copy.deepcopy(model), {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+                                            "target_modules": block_linear_names(model.hf)})
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.hf.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    model.hf.eval()
+    assert isinstance(model.new_cache(2, 16), LeanCache)
+    prompts = [tok.render_prompt(p) for p in PROMPTS[:2]]
+    out = generate(model, prompts, num_generations=2, max_new_tokens=12, temperature=0.8, stop_ids=tok.stop_ids,
+                   pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
+    lp = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, 0.8)
+    m = out.completion_mask
+    torch.testing.assert_close(lp[m], out.sampler_logprobs[m], atol=3e-5, rtol=0)
+    with model.hf.disable_adapter(), torch.no_grad():   # the adapters mattered
+        base = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, m, 0.8)
+    assert (base[m] - lp[m]).abs().max() > 1e-3

@@ -10,8 +10,10 @@ additive attention mask kept in the cache (a decode step reads it, builds nothin
 per-row positions read from a precomputed RoPE table. Training keeps the HF forward;
 tests check both agree (logits, and greedy tokens equal to `generate`).
 
-Anything outside the supported shape (other architectures, sliding windows shorter than
-the rollout, adapters wrapped around the linears) returns a reason from
+peft LoRA adapters are merged into those fused weights (W + scale * B @ A, once per rollout, so
+sampling costs what the base model's does); the trainer's forward keeps them separate, which
+agrees to float rounding. Anything outside the supported shape (other architectures, sliding
+windows shorter than the rollout, other adapter kinds, active LoRA dropout) returns a reason from
 `unsupported_reason` and the policy falls back to the HF forward.
 """
 
@@ -28,8 +30,46 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+def _unwrap(hf_model):
+    """The transformers model inside a peft wrapper (PeftModel.get_base_model), else the model itself."""
+    get = getattr(hf_model, "get_base_model", None)
+    return get() if callable(get) else hf_model
+
+
+def _is_lora(m: nn.Module) -> bool:
+    """A peft LoRA linear (peft.tuners.lora.Linear), recognised by its interface so that this module
+    does not import peft."""
+    return all(hasattr(m, a) for a in ("base_layer", "lora_A", "lora_B", "get_delta_weight", "active_adapters"))
+
+
+def _lora_reason(m: nn.Module) -> str | None:
+    if type(m.base_layer) is not nn.Linear:
+        return "a LoRA adapter wraps a layer that is not a plain nn.Linear"
+    if getattr(m, "lora_variant", None) or any(getattr(m, "use_dora", {}).values()):
+        return "LoRA variants (DoRA, ...) are not merged by the lean path"
+    if any(m.training and not isinstance(d, nn.Identity) for d in m.lora_dropout.values()):
+        return "LoRA dropout is active (training mode)"
+    return None
+
+
+def linear_weights(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (weight, bias) that `m` applies: an nn.Linear's own, or a peft LoRA linear's base weight
+    plus the delta of each active adapter, as peft's forward adds them (none when the adapters are
+    disabled; already in the base weight when merged)."""
+    if not _is_lora(m):
+        return m.weight, m.bias
+    base = m.base_layer
+    w = base.weight
+    if not m.disable_adapters and not m.merged:
+        for name in m.active_adapters:
+            if name in m.lora_A:
+                w = w + m.get_delta_weight(name)
+    return w, base.bias
+
+
 def unsupported_reason(hf_model, max_len: int) -> str | None:
     """Why the lean path cannot run this model for sequences of `max_len` tokens, or None."""
+    hf_model = _unwrap(hf_model)
     cfg = hf_model.config
     if cfg.model_type not in SUPPORTED:
         return f"model_type {cfg.model_type!r} is not one of {SUPPORTED}"
@@ -47,8 +87,14 @@ def unsupported_reason(hf_model, max_len: int) -> str | None:
         return "unexpected module layout"
     for layer in inner.layers:
         mods = [getattr(layer.self_attn, n, None) for n in _LINEARS] + [getattr(layer.mlp, n, None) for n in _MLP]
-        if any(type(m) is not nn.Linear for m in mods):   # e.g. LoRA-wrapped or quantized linears
-            return "attention/MLP projections are not plain nn.Linear"
+        for m in mods:
+            if _is_lora(m):
+                if (why := _lora_reason(m)) is not None:
+                    return why
+            elif type(m) is not nn.Linear:   # e.g. quantized linears
+                return "attention/MLP projections are not plain nn.Linear"
+    if _is_lora(inner.embed_tokens):
+        return "a LoRA adapter on the embeddings"
     if type(hf_model.lm_head) is not nn.Linear:
         return "lm_head is not a plain nn.Linear"
     return None
@@ -84,17 +130,15 @@ class _Layer:
 
     def __init__(self, layer) -> None:
         a, m = layer.self_attn, layer.mlp
-        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        qkv_b = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(p.weight.size(0), dtype=p.weight.dtype, device=p.weight.device)
-             for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
-        self.qkv = _NormedLinear(layer.input_layernorm,
-                                 torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b)
-        self.o_wt, self.o_b = a.o_proj.weight.t(), a.o_proj.bias
-        self.gate_up = _NormedLinear(layer.post_attention_layernorm,
-                                     torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                                     None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]))
-        self.down_wt, self.down_b = m.down_proj.weight.t(), m.down_proj.bias
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_weights(getattr(a, n)) for n in _LINEARS)
+        (gw, gb), (uw, ub), (dw, db) = (linear_weights(getattr(m, n)) for n in _MLP)
+        qkv_b = None if qb is None and kb is None and vb is None else torch.cat(
+            [b if b is not None else w.new_zeros(w.size(0)) for b, w in ((qb, qw), (kb, kw), (vb, vw))])
+        self.qkv = _NormedLinear(layer.input_layernorm, torch.cat([qw, kw, vw]), qkv_b)
+        self.o_wt, self.o_b = ow.t(), ob
+        self.gate_up = _NormedLinear(layer.post_attention_layernorm, torch.cat([gw, uw]),
+                                     None if gb is None else torch.cat([gb, ub]))
+        self.down_wt, self.down_b = dw.t(), db
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         self.scaling = a.scaling
 
@@ -241,6 +285,7 @@ class LeanDecoder:
     """
 
     def __init__(self, hf_model, max_len: int) -> None:
+        hf_model = _unwrap(hf_model)
         cfg, inner = hf_model.config, hf_model.model
         self.embed_w = inner.embed_tokens.weight
         self.head = _NormedLinear(inner.norm, hf_model.lm_head.weight, hf_model.lm_head.bias)

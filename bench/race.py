@@ -80,17 +80,9 @@ def eval_rows(n: int) -> list[dict]:
 
 
 def greedy_accuracy(hf_model, tok, rows: list[dict]) -> float:
-    """The shared evaluator: grpolab's engine, greedy, on a Hugging Face model's current weights."""
-    import torch
-
-    from grpolab.eval import evaluate
-    from grpolab.models.hf import HFPolicy
-    was_training = hf_model.training
-    hf_model.eval()
-    with torch.inference_mode():
-        acc = evaluate(HFPolicy(hf_model), tok, rows, k=1, max_new_tokens=NEW)["greedy_accuracy"]
-    hf_model.train(was_training)
-    return acc
+    """The shared evaluator (bench/_smollm2.py's, at this race's NEW tokens)."""
+    import _smollm2
+    return _smollm2.greedy_accuracy(hf_model, tok, rows, NEW)
 
 
 def run_ours(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:

@@ -191,8 +191,9 @@ class RolloutConfig:
     top_k: int = 0                 # 0 = off
     top_p: float = 1.0             # 1.0 = off
     lean_decode: bool = True       # HF llama/mistral/qwen2/qwen3 models: sample through grpolab's lean decode
-    #                                path (preallocated KV cache, fused projections; same logits); false = the
-    #                                model's own forward with its DynamicCache. Other models always use the latter
+    #                                path (preallocated KV cache, fused projections, LoRA adapters merged; same
+    #                                logits); false = the model's own forward with its DynamicCache. Other models
+    #                                (and DoRA or embedding adapters) always use the latter
     ignore_eos: bool = False       # rollouts never stop at the stop token: every completion runs to max_new_tokens
     #                                (benchmarks; a sampled stop token is then an ordinary token; eval still stops)
     tools: list = field(default_factory=list)  # tools the model may call mid-completion (rollouts and eval):

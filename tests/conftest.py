@@ -92,6 +92,17 @@ def gsm8k_dir(tmp_path):
     return path
 
 
+def randomize_lora_b(model, seed: int, scale: float) -> None:
+    """Random LoRA B matrices on an HFPolicy with peft adapters, in eval mode (peft starts B at zero,
+    which would make a missing adapter invisible to a test)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.hf.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    model.hf.eval()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,6 +7,7 @@ token at a time from its preallocated cache.
 
 import pytest
 import torch
+from conftest import randomize_lora_b
 
 from grpolab.models.hf import HFCache, HFPolicy
 from grpolab.models.lean_decode import LeanCache, unsupported_reason
@@ -184,20 +185,14 @@ def test_lean_cache_additive_mask_tracks_real_tokens():
 
 
 def _lora_policy(kind: str, **settings) -> HFPolicy:
-    """A tiny model with grpolab's peft adapters whose B matrices are random (peft starts them at zero,
-    which would make a missing adapter invisible)."""
+    """A tiny model with grpolab's peft adapters, their B matrices random."""
     from grpolab.models.lora import add_lora
     hf = _tiny(kind)
     _perturb(hf)
     policy = add_lora(HFPolicy(hf), {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
                                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                         "up_proj", "down_proj"]} | settings)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in policy.hf.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    policy.hf.eval()
+    randomize_lora_b(policy, seed=3, scale=0.2)
     return policy
 
 

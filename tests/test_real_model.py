@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, randomize_lora_b
 from grpolab.models.hf import gguf_file, load_hf
 from grpolab.rollout.engine import generate
 from grpolab.train.logprobs import completion_logprobs
@@ -102,12 +102,7 @@ def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
     model, tok = smol
     model = add_lora(copy.deepcopy(model), {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
                                             "target_modules": block_linear_names(model.hf)})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.hf.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
-    model.hf.eval()
+    randomize_lora_b(model, seed=1, scale=0.01)
     assert isinstance(model.new_cache(2, 16), LeanCache)
     prompts = [tok.render_prompt(p) for p in PROMPTS[:2]]
     out = generate(model, prompts, num_generations=2, max_new_tokens=12, temperature=0.8, stop_ids=tok.stop_ids,

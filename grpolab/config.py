@@ -333,7 +333,7 @@ class OptimConfig:
     logprob_chunk: int | None = None  # completion positions per chunk of the head + log-softmax + entropy,
     #                                each chunk recomputed in the backward: no (rows, length, vocab) float32
     #                                logits are kept (README "Memory"); 0 = all positions at once; null =
-    #                                32 for vocabularies of 4096 tokens or more, else 0
+    #                                32 where a micro-batch's float32 logits would pass 128 MiB, else 0
     share_prompt: bool = True      # HF models: the log-prob passes (reference, old policy, update) run each
     #                                group's prompt once for its G completions (off under gradient
     #                                checkpointing and with more than one rank)

@@ -92,6 +92,26 @@ def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_the_backward(models
     assert max(_saved_vocab_numels(m, 8, V), default=0) <= B * 8 * V
 
 
+def test_logprob_chunk_null_chunks_only_logits_over_the_size_limit(models, monkeypatch):
+    """optim.logprob_chunk null: rows x positions x vocabulary x 4 bytes over AUTO_CHUNK_BYTES chunks,
+    at or under it one pass; a number is used as given. Through completion_logprobs: with the limit just
+    under this batch's logits nothing vocabulary-wide outlives a chunk, just at them the full logits are kept."""
+    from grpolab.train import logprobs
+    m = copy.deepcopy(models["llama"]).train()
+    B, C, V = 3, 40, m.config.vocab_size
+    limit = logprobs.AUTO_CHUNK_BYTES
+    rows = limit // (128 * V * 4)                 # logits of rows x 128 positions: just under the limit
+    assert logprobs.logprob_chunk(None, m, rows, 128) == 0
+    assert logprobs.logprob_chunk(None, m, rows + 1, 128) == logprobs.AUTO_CHUNK
+    assert logprobs.logprob_chunk(None, object(), 10**6, 10**6) == 0    # no vocabulary known: one pass
+    assert logprobs.logprob_chunk(0, m, 10**6, 128) == 0 and logprobs.logprob_chunk(5, m, 1, 1) == 5
+    monkeypatch.setattr(logprobs, "AUTO_CHUNK", 8)
+    monkeypatch.setattr(logprobs, "AUTO_CHUNK_BYTES", B * C * V * 4)
+    assert max(_saved_vocab_numels(m, None, V)) >= B * C * V
+    monkeypatch.setattr(logprobs, "AUTO_CHUNK_BYTES", B * C * V * 4 - 1)
+    assert max(_saved_vocab_numels(m, None, V), default=0) <= B * 8 * V
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_gradient_checkpointing_same_gradients_and_blocks_recomputed(models, name):
     plain = _run(models[name])

@@ -19,7 +19,7 @@ from ..algorithms.losses import dpo_loss
 from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
 from ..models.lora import adapters_off
-from .logprobs import logprob_chunk, summed_logprobs
+from .logprobs import summed_logprobs
 from .loop import OfflineTrainer
 from .sft import model_context, task_eval
 
@@ -32,7 +32,7 @@ class DPOTrainer(OfflineTrainer):
         super().__init__(cfg, cfg.dpo, model, tokenizer, pairs, run_dir=run_dir, console=console)
         self.ref = None if self.lora else copy.deepcopy(model).eval().requires_grad_(False)
         self.max_length = model_context(model) or 10 ** 9
-        self.chunk = logprob_chunk(cfg.optim.logprob_chunk, model.config.vocab_size)
+        self.chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
         self.test_rows = (test_rows or [])[:cfg.eval.num_problems]
 
     @property

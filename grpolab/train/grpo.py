@@ -50,7 +50,7 @@ from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .critic import CriticTrainer
 from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
 from .checkpoint import cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
-from .logprobs import completion_logprobs, logprob_chunk
+from .logprobs import completion_logprobs
 from .master import MasterWeights
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
@@ -114,7 +114,7 @@ class GRPOTrainer:
             model.lean_decode = cfg.rollout.lean_decode
         if cfg.model.gradient_checkpointing:
             set_gradient_checkpointing(model, True)
-        self.logprob_chunk = logprob_chunk(cfg.optim.logprob_chunk, model.config.vocab_size)
+        self.logprob_chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
         self.test_rows = test_rows[:cfg.eval.num_problems]
         self.run_dir = Path(run_dir)
         self.console = console

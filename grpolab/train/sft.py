@@ -15,7 +15,7 @@ from ..data.supervised import Example, collate, encode, fit_length, pack
 from ..eval import evaluate
 from ..logging.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
-from .logprobs import logprob_chunk, token_logprobs
+from .logprobs import token_logprobs
 from .loop import OfflineTrainer
 from .schedule import lr_factor
 
@@ -70,7 +70,7 @@ class SFTTrainer(OfflineTrainer):
         self._examples = {id(r): e for r, e in zip(self.rows, examples)}
         self.test_rows = (test_rows or [])[:cfg.eval.num_problems]
         self.heldout_rows = (heldout_rows or [])[:cfg.eval.num_problems]
-        self.chunk = logprob_chunk(cfg.optim.logprob_chunk, model.config.vocab_size)
+        self.chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
 
     def units(self, rows: list) -> list[Example]:
         out = [self._examples.get(id(r)) or fit_length([encode(self.tok, r)], self.max_length, "truncate")[0][0]
@@ -101,7 +101,8 @@ class SFTTrainer(OfflineTrainer):
 
 
 @torch.no_grad()
-def heldout_loss(model, tokenizer, rows: list[dict], max_length: int, chunk: int = 0, batch_size: int = 64) -> float:
+def heldout_loss(model, tokenizer, rows: list[dict], max_length: int, chunk: int | None = 0,
+                 batch_size: int = 64) -> float:
     """Mean cross-entropy per completion token of SFT rows (longer ones truncated)."""
     model.eval()
     examples = [e for e in fit_length([encode(tokenizer, r) for r in rows], max_length, "truncate")[0] if e]

@@ -318,8 +318,10 @@ def picky(completions, **kwargs):
 
 
 def test_exception_on_one_rank_stops_the_run_with_its_own_error(tmp_path):
-    """A reward function that raises on rank 1 only: rank 1 says why in one line, rank 0 says it
-    stopped because a rank left (no traceback), and the launcher names rank 1, not rank 0."""
+    """A reward function that raises on rank 1 only: rank 1 says why in one line, the launcher names
+    rank 1, not rank 0, and no traceback. Rank 0 says it stopped because a rank left when it was
+    already waiting on rank 1; on a loaded machine the launcher can stop it before it gets there
+    (then it prints nothing), so its line is checked only where it printed one."""
     (tmp_path / "picky.py").write_text(RANK_ONE_FAILS)
     res = run_cli("train", "--nproc", "2", *_small(tmp_path / "run", "sft.steps=5",
                                                     f"reward.functions=[{tmp_path / 'picky.py'}:picky]"), timeout=300)
@@ -328,7 +330,9 @@ def test_exception_on_one_rank_stops_the_run_with_its_own_error(tmp_path):
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     assert any(x.startswith("grpolab: [rank 1] reward error: reward function") and "rank one dislikes this batch" in x
                for x in lines), lines
-    assert any(x.startswith("grpolab: [rank 0] stopped: another rank left the run (") for x in lines), lines
+    rank0 = [x for x in lines if x.startswith("grpolab: [rank 0]")]
+    assert all(x.startswith("grpolab: [rank 0] stopped: another rank left the run (") for x in rank0), lines
+    assert len(lines) == 2 + len(rank0) and len(rank0) <= 1, lines
     assert lines[-1] == "grpolab: rank 1 exited with code 2; the other ranks were stopped", lines
 
 

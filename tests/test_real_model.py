@@ -95,7 +95,8 @@ def test_sampler_logprobs_equal_the_trainers_and_a_plain_forward(smol):
 
 def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
     """With peft adapters (the real-model configs' LoRA, B made non-zero) rollouts still take the lean path,
-    which merges the adapters into its weights; the trainer's forward keeps them separate. Same bound as above."""
+    which merges the adapters into its weights; the trainer's forward keeps them separate, one rounding more
+    than above: up to 3.2e-5 measured (2 threads, CI), so held to 5e-5; a missing adapter is > 1e-3."""
     import copy
     from grpolab.models.lean_decode import LeanCache
     from grpolab.models.lora import add_lora, block_linear_names
@@ -109,7 +110,7 @@ def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
                    pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
     lp = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, 0.8)
     m = out.completion_mask
-    torch.testing.assert_close(lp[m], out.sampler_logprobs[m], atol=3e-5, rtol=0)
+    torch.testing.assert_close(lp[m], out.sampler_logprobs[m], atol=5e-5, rtol=0)
     with model.hf.disable_adapter(), torch.no_grad():   # the adapters mattered
         base = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, m, 0.8)
     assert (base[m] - lp[m]).abs().max() > 1e-3

@@ -95,21 +95,23 @@ def realistic_model():
     return HFPolicy(LlamaForCausalLM(cfg).eval())
 
 
-def stop_lengths() -> torch.Tensor:
+def rl_lengths(rows: int, max_new: int) -> torch.Tensor:
+    """RL-like completion lengths: 16 + (max_new - 16) u^3, u uniform (seeded), the longest set to max_new."""
     g = torch.Generator().manual_seed(0)
-    u = torch.rand(R_PROMPTS * R_SAMPLES, generator=g)
-    lengths = (16 + 240 * u ** 3).long()
-    lengths[lengths.argmax()] = R_NEW   # a few rows run to the cap
+    u = torch.rand(rows, generator=g)
+    lengths = (16 + (max_new - 16) * u ** 3).long()
+    lengths[lengths.argmax()] = max_new   # a few rows run to the cap
     return lengths
 
 
-def force_lengths(logits: torch.Tensor, t: int, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def force_lengths(logits: torch.Tensor, t: int, rows: torch.Tensor, lengths: torch.Tensor,
+                  eos: int = EOS) -> torch.Tensor:
     """EOS impossible before a row's length, certain at it (token t is the (t+1)-th)."""
-    logits[:, EOS] = float("-inf")
+    logits[:, eos] = float("-inf")
     at = lengths[rows.to(lengths.device)] == t + 1
     if bool(at.any()):
         logits[at] = float("-inf")
-        logits[at, EOS] = 0.0
+        logits[at, eos] = 0.0
     return logits
 
 
@@ -159,7 +161,7 @@ def realistic(runs: int) -> dict:
     policy = realistic_model()
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, R_VOCAB, (R_PROMPTS, R_PROMPT_LEN), generator=g).tolist()
-    lengths = stop_lengths()
+    lengths = rl_lengths(R_PROMPTS * R_SAMPLES, R_NEW)
     limits = roofline.measure()
     params = sum(p.numel() for n, p in policy.named_parameters() if "embed_tokens" not in n)
     result = {"bench": "rollout", "shape": "realistic", "params": sum(p.numel() for p in policy.parameters()),
@@ -192,28 +194,9 @@ def realistic(runs: int) -> dict:
 
 # ---- a real model (--model) ---------------------------------------------------------------------------
 
-def m_lengths(rows: int, max_new: int) -> torch.Tensor:
-    """RL-like completion lengths: 16 + (max_new - 16) u^3, u uniform (seeded), the longest set to max_new."""
-    g = torch.Generator().manual_seed(0)
-    u = torch.rand(rows, generator=g)
-    lengths = (16 + (max_new - 16) * u ** 3).long()
-    lengths[lengths.argmax()] = max_new
-    return lengths
-
-
-def m_force(logits: torch.Tensor, t: int, rows: torch.Tensor, lengths: torch.Tensor, eos: int) -> torch.Tensor:
-    """EOS impossible before a row's length, certain at it (token t is the (t+1)-th)."""
-    logits[:, eos] = float("-inf")
-    at = lengths[rows.to(lengths.device)] == t + 1
-    if bool(at.any()):
-        logits[at] = float("-inf")
-        logits[at, eos] = 0.0
-    return logits
-
-
 def m_ours(policy, prompts, samples, max_new, eos, pad, seed, lengths=None) -> float:
     g = torch.Generator().manual_seed(seed)
-    hook = None if lengths is None else (lambda lg, t, rows: m_force(lg, t, rows, lengths, eos))
+    hook = None if lengths is None else (lambda lg, t, rows: force_lengths(lg, t, rows, lengths, eos))
     t = time.perf_counter()
     out = generate(policy, prompts, num_generations=samples, max_new_tokens=max_new, temperature=1.0,
                    stop_ids=() if lengths is None else (eos,), pad_id=pad, generator=g, logits_hook=hook)
@@ -232,7 +215,7 @@ def m_hf(hf_model, prompts, samples, max_new, eos, pad, seed, lengths=None) -> f
 
     class Force(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            return m_force(scores, input_ids.size(1) - width, torch.arange(scores.size(0)), lengths, eos)
+            return force_lengths(scores, input_ids.size(1) - width, torch.arange(scores.size(0)), lengths, eos)
     extra = ({"min_new_tokens": max_new, "eos_token_id": None} if lengths is None else
              {"eos_token_id": eos, "logits_processor": LogitsProcessorList([Force()])})
     torch.manual_seed(seed)
@@ -263,7 +246,7 @@ def real_model(model_arg: str, runs: int, n_prompts: int, max_new: int, samples:
     s = sm.Setting(max_new=max_new)
     policy, tok = load_hf(str(model))
     prompts = [tok.render_prompt(r["prompt"]) for r in sm.eval_rows(n_prompts, model, s)]
-    lengths = m_lengths(n_prompts * samples, max_new)
+    lengths = rl_lengths(n_prompts * samples, max_new)
     lora = copy.deepcopy(policy)
     add_lora(lora, {"r": s.lora_r, "lora_alpha": s.lora_alpha, "lora_dropout": 0.0,
                     "target_modules": list(sm.LORA_TARGETS)})

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 
 def test_rl_like_lengths_are_seeded_skewed_and_reach_the_cap():
-    a, b = rollout.m_lengths(64, 40), rollout.m_lengths(64, 40)
+    a, b = rollout.rl_lengths(64, 40), rollout.rl_lengths(64, 40)
     assert torch.equal(a, b)
     assert int(a.min()) >= 16 and int(a.max()) == 40 and int((a == 40).sum()) >= 1
     # 16 + 24 u^3 with u uniform: most rows are short (the median of u^3 is 1/8: about 19 tokens)
@@ -45,7 +45,7 @@ def test_both_samplers_stop_exactly_at_the_forced_lengths(tiny, lora):
         policy.hf.eval()
     prompts = [tok.render_prompt("1 + 2 ="), tok.render_prompt("a longer prompt: 3 plus 4 minus 1 is")]
     assert len(prompts[0]) != len(prompts[1])
-    lengths = rollout.m_lengths(2 * 3, 24)
+    lengths = rollout.rl_lengths(2 * 3, 24)
     eos = tok.eos_id
     rollout.m_ours(policy, prompts, 3, 24, eos, tok.pad_id, seed=1, lengths=lengths)
     rollout.m_hf(policy.hf, prompts, 3, 24, eos, tok.pad_id, seed=1, lengths=lengths)
@@ -60,7 +60,7 @@ def _check(policy, prompts, eos, pad, forced, claimed):
     """Sample with `forced` lengths, then compare against `claimed`, as m_ours does."""
     out = generate(policy, prompts, num_generations=3, max_new_tokens=24, temperature=1.0, stop_ids=(eos,),
                    pad_id=pad, generator=torch.Generator().manual_seed(1),
-                   logits_hook=lambda lg, t, rows: rollout.m_force(lg, t, rows, forced, eos))
+                   logits_hook=lambda lg, t, rows: rollout.force_lengths(lg, t, rows, forced, eos))
     assert torch.equal(out.completion_mask.sum(-1), claimed)
 
 

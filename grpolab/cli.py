@@ -8,7 +8,8 @@ import errno
 import os
 import sys
 
-from .config import ConfigError, load_config
+from .config import load_config
+from .errors import ConfigError
 
 DEMO_DIR = "runs/demo"
 
@@ -239,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(nproc, argv)
     try:
         from . import pipeline  # imported late so `grpolab --help` is instant
-        from .data.loading import DataError
-        from .rewards.errors import RewardError
-        from .train.checkpoint import CheckpointError
-        from .train.grpo import TrainingError
-        from .export import ExportError
+        from .errors import DataError
+        from .errors import RewardError
+        from .errors import CheckpointError
+        from .errors import TrainingError
+        from .errors import ExportError
         from safetensors import SafetensorError
 
         if args.command == "demo":

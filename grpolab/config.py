@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from .errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A config mistake; the message names the key and how to fix it."""
 
 
 # the smallest sampling temperature: below it logits / T can overflow float32 (the server samples greedily there)
@@ -737,7 +735,8 @@ def validate(cfg: Config) -> None:
     from .algorithms.advantages import ADV_ESTIMATORS
     from .algorithms.aggregate import AGG_MODES
     from .algorithms.losses import POLICY_LOSSES
-    from .rewards import REWARDS, RewardError
+    from .rewards import REWARDS
+    from .errors import RewardError
     from .rewards.custom import parse_call
 
     for f in dataclasses.fields(cfg):   # first: the range checks below assume finite numbers

@@ -27,13 +27,11 @@ import torch
 from safetensors import SafetensorError
 
 from .models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, TOOL_TOKENS, UNK_CHAR, USER, CharTokenizer
+from .errors import ExportError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
 
-
-class ExportError(RuntimeError):
-    """The checkpoint cannot be exported as asked; the message says why."""
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dtype: str = "float32") -> str:

@@ -9,8 +9,10 @@ import random
 from pathlib import Path
 
 from . import distributed
-from .config import Config, ConfigError
-from .data.loading import DataError, normalize_rows, read_records
+from .config import Config
+from .errors import ConfigError
+from .data.loading import normalize_rows, read_records
+from .errors import DataError
 from .data.preference import fit_pairs, heldout_size, preference_rows
 from .data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
 from .logging.console import Console

@@ -11,8 +11,10 @@ import torch
 import yaml
 
 from . import distributed
-from .config import Config, ConfigError, check_output_dir
-from .data.loading import DataError, filter_long_prompts, normalize_rows, read_records
+from .config import Config, check_output_dir
+from .errors import ConfigError
+from .data.loading import filter_long_prompts, normalize_rows, read_records
+from .errors import DataError
 from .data.tasks import arithmetic, pyfunc
 from .data.tasks.humaneval import load_humaneval
 from .data.tasks.gsm8k import load_gsm8k

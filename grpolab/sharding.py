@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # torch warns (on every rank, every step) when an FSDP unit returns a view: an in-place op on that
 # view (`out += y`) would skip the unit's pre-backward hook and give wrong gradients. The built-in

@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import Config, ConfigError, _apply, _flatten, parse_override, read_yaml
+from .config import Config, _apply, _flatten, parse_override, read_yaml
+from .errors import ConfigError
 from .logging.console import Console
 from .utils.files import write_json
 
@@ -138,7 +139,7 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
         out = run_dir / ("pairs.jsonl" if cfg.sample.pairs else "samples.jsonl")
         stats = run_sample(model_from, cfg, out, console)
         if not stats.get("pairs", stats.get("accepted")):
-            from .data.loading import DataError
+            from .errors import DataError
             raise DataError(f"stages[{n}] (sample): no {'pairs' if cfg.sample.pairs else 'completion reached sample.min_reward'}"
                             f" among {stats['samples']} samples, so the next stage has nothing to train on; lower "
                             f"sample.min_reward, raise sample.k / sample.num_prompts, or train longer before it")

@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 
 from conftest import ROOT
-from grpolab.data.loading import DataError
+from grpolab.errors import DataError
 from grpolab.data.tasks.gsm8k import load_gsm8k
 from grpolab.rewards.answers import (extract_hash_answer, final_answer_text, format_number, gsm8k_accuracy,
                                      parse_number, plain_number, reference_answer)

@@ -14,11 +14,12 @@ import yaml
 from safetensors.torch import save_file
 
 from conftest import ROOT, run_cli
-from grpolab.config import ConfigError, load_config
+from grpolab.config import load_config
+from grpolab.errors import ConfigError
 from grpolab.models import GPT, GPTConfig
 from grpolab.pipeline import write_run_config
-from grpolab.train.checkpoint import (CheckpointError, cut_logs, find_resume_checkpoint, load_model,
-                                      load_training_state, verify_checkpoint)
+from grpolab.train.checkpoint import cut_logs, find_resume_checkpoint, load_model, load_training_state, verify_checkpoint
+from grpolab.errors import CheckpointError
 from grpolab.train.resume_rules import unsafe_changes
 from test_grpo import TINY
 

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.config import ConfigError, load_config
+from grpolab.config import load_config
+from grpolab.errors import ConfigError
 from grpolab.data.tasks import pyfunc
 from grpolab.rewards import code as code_reward
 from grpolab.rewards.code import code_exec, extract_program, prompt_code, stdio_cases
-from grpolab.sandbox import SandboxError
+from grpolab.errors import SandboxError
 from grpolab.sandbox.runner import _verdicts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from conftest import run_cli
-from grpolab.config import Config, ConfigError, JudgeConfig, load_config, max_threads, validate
+from grpolab.config import Config, JudgeConfig, load_config, max_threads, validate
+from grpolab.errors import ConfigError
 from grpolab.data.preference import heldout_size
 
 NON_FINITE = ("inf", "-inf", "nan", ".inf", "-.inf", ".nan", "1e999")

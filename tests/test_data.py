@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from grpolab.data.loading import DataError, filter_long_prompts, normalize_rows, read_records
+from grpolab.data.loading import filter_long_prompts, normalize_rows, read_records
+from grpolab.errors import DataError
 from grpolab.data.tasks.gsm8k import load_gsm8k
 
 from conftest import GSM8K_DIR, GSM8K_SAMPLE

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import run_cli
 from grpolab.config import load_config
-from grpolab.data.loading import DataError, normalize_rows, read_records
+from grpolab.data.loading import normalize_rows, read_records
+from grpolab.errors import DataError
 from grpolab.data.messages import CHAT_ROLES
 from grpolab.data.preference import fit_pairs, preference_rows
 from grpolab.data.supervised import sft_rows

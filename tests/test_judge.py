@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from conftest import running_server
-from grpolab.config import ConfigError, load_config
+from grpolab.config import load_config
+from grpolab.errors import ConfigError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rewards import judge
 from grpolab.rewards.calling import RewardLog
 from grpolab.rewards.combine import score
-from grpolab.rewards.errors import RewardError
+from grpolab.errors import RewardError
 from grpolab.rewards.judge import parse_score
 from grpolab.rewards.rubrics import RubricIndex
 from grpolab.train.checkpoint import save_checkpoint

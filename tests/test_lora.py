@@ -133,7 +133,8 @@ def test_lora_run_of_the_gsm8k_tiny_hf_config_resumes_exactly(tmp_path, llama_di
 
 
 def test_lora_config_errors():
-    from grpolab.config import ConfigError, load_config
+    from grpolab.config import load_config
+    from grpolab.errors import ConfigError
     for override, msg in [("model.lora_rank=-1", "model.lora_rank: must be >= 0"),
                           ("model.lora_dropout=1.0", "model.lora_dropout: must be in [0, 1)"),
                           ("train.strategy=fsdp", "train.strategy: fsdp with model.lora_rank > 0 is not supported"),

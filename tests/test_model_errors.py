@@ -12,8 +12,9 @@ import time
 import pytest
 
 from conftest import ROOT, _free_port
-from grpolab.config import ConfigError, load_config
-from grpolab.data.loading import DataError
+from grpolab.config import load_config
+from grpolab.errors import ConfigError
+from grpolab.errors import DataError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.lora import lora_config
 from grpolab.models.tiny_hf import save_tiny_model

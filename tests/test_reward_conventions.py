@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from grpolab.rewards import RewardError, get_reward, reward_names
+from grpolab.rewards import get_reward, reward_names
+from grpolab.errors import RewardError
 from grpolab.rewards.combine import RewardLog, TrainerState, check_signatures, score
 from test_grpo import TINY, make_trainer
 
@@ -439,7 +440,8 @@ def test_columns_trl_does_not_pass_are_not_passed(monkeypatch):
 
 
 def test_reward_spec_mistakes_are_config_errors():
-    from grpolab.config import ConfigError, load_config
+    from grpolab.config import load_config
+    from grpolab.errors import ConfigError
     with pytest.raises(ConfigError, match=r"reward.functions: reward 'm:f\(x=open\)': the arguments must be "
                                           r"Python literals"):
         load_config(None, ['reward.functions=["m:f(x=open)"]'])

@@ -15,7 +15,8 @@ import torch
 from conftest import ROOT, run_cli
 from grpolab.config import RewardConfig
 from grpolab.rewards import combine
-from grpolab.rewards.combine import RewardError, TrainerState, check_signatures, score
+from grpolab.rewards.combine import TrainerState, check_signatures, score
+from grpolab.errors import RewardError
 from grpolab.rollout.tools import ToolRunner, load_tools
 from test_grpo import TINY
 

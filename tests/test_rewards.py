@@ -7,7 +7,8 @@ import torch
 
 from grpolab.rewards import get_reward
 from grpolab.rewards.answers import extract_hash_answer, gsm8k_accuracy
-from grpolab.rewards.combine import RewardError, score
+from grpolab.rewards.combine import score
+from grpolab.errors import RewardError
 from conftest import GSM8K_DIR, GSM8K_SAMPLE
 from grpolab.data.tasks.gsm8k import load_gsm8k
 
@@ -95,7 +96,8 @@ def test_reward_errors_name_the_function_and_sample(monkeypatch, fn, msg):
 
 # ---- math_accuracy (math-verify) ---------------------------------------------------------------
 
-from grpolab.rewards import REWARDS, UnknownRewardError, reward_name  # noqa: E402
+from grpolab.rewards import REWARDS, reward_name
+from grpolab.errors import UnknownRewardError
 from grpolab.rewards.format import boxed_content, think_format  # noqa: E402
 from grpolab.rewards.length import length, make_length_reward  # noqa: E402
 from grpolab.rewards.math_answers import math_accuracy  # noqa: E402

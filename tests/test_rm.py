@@ -15,7 +15,7 @@ from grpolab.algorithms.losses import bradley_terry_loss
 from grpolab.cli import main
 from grpolab.config import load_config
 from grpolab.rewards import get_reward
-from grpolab.rewards.errors import RewardError
+from grpolab.errors import RewardError
 
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=64", "log.level=quiet",
         "rm.batch_size=16", "rm.lr=3e-3", "rm.warmup_steps=2", "rm.eval_size=16"]

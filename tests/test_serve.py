@@ -315,7 +315,7 @@ def serve_and_compare(model_dir, prompts, max_tokens=8):
 def test_a_lora_checkpoint_is_served_merged_and_sliding_windows_are_refused(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from grpolab.config import ConfigError
+    from grpolab.errors import ConfigError
     from grpolab.serve.server import load_engine
     model, tok, _ = _hf_models(tmp_path)
     peft_model = get_peft_model(model.hf, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))

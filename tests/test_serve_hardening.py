@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli, running_server
-from grpolab.config import ConfigError
+from grpolab.errors import ConfigError
 from grpolab.models import CharTokenizer
 from grpolab.serve.generate import sampling_settings
 from grpolab.serve.server import is_loopback

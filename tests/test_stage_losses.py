@@ -140,7 +140,7 @@ def test_padding_and_prompt_tokens_are_never_in_the_loss():
 
 
 def test_length_policy_truncates_drops_or_errors():
-    from grpolab.data.loading import DataError
+    from grpolab.errors import DataError
     tok = CharTokenizer()
     ex = [encode(tok, {"prompt": "p" * 10, "completion": "c" * 10}), encode(tok, {"prompt": "q", "completion": "ok"})]
     kept, t, d = fit_length(ex, 16, "truncate")

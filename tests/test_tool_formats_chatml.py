@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from grpolab.config import ConfigError
+from grpolab.errors import ConfigError
 from grpolab.models.hf import HFTokenizer, load_hf
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.rollout.engine import generate

@@ -8,13 +8,14 @@ import time
 import pytest
 import torch
 
-from grpolab.config import ConfigError
+from grpolab.errors import ConfigError
 from grpolab.models import GPT, GPTConfig, CharTokenizer
 from grpolab.rollout.engine import generate
 from grpolab.rollout.keys import completion_keys
 from grpolab.rollout.tool_decode import ToolUse, tool_metrics
 from grpolab.rollout.tool_formats import BuiltinFormat
-from grpolab.rollout.tools import ToolRunner, calculator, load_tool, load_tools, ToolCallError, truncate
+from grpolab.rollout.tools import ToolRunner, calculator, load_tool, load_tools, truncate
+from grpolab.errors import ToolCallError
 from grpolab.train.logprobs import completion_logprobs
 
 TOOLS_PY = '''

@@ -6,7 +6,7 @@ the result as a `tool` message rendered by the template and the model answers. A
 import pytest
 import torch
 
-from grpolab.config import ConfigError
+from grpolab.errors import ConfigError
 from grpolab.models.hf import load_hf
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.rollout.engine import generate

@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from grpolab.config import Config, ConfigError, load_config
+from grpolab.config import Config, load_config
+from grpolab.errors import ConfigError
 from grpolab.models import CharTokenizer, build_builtin
 from grpolab.train.finite_step import count_nonfinite, restore, snapshot
-from grpolab.train.grpo import TrainingError
+from grpolab.errors import TrainingError
 from grpolab.train.memory_budget import (ModelShape, batch_bytes, builtin_shape, check_memory, eval_rows,
                                          kv_cache_bytes, model_shape, rollout_rows)
 from test_grpo import TINY, make_trainer

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from grpolab.algorithms.presets import PRESETS
-from grpolab.config import ConfigError, load_config
+from grpolab.config import load_config
+from grpolab.errors import ConfigError
 from grpolab.logging.console import Console
 from grpolab.pipeline import load_data, load_policy, setup_torch
 from grpolab.train.grpo import GRPOTrainer
@@ -190,7 +191,7 @@ def easy_policy(tmp_path_factory):
 
 
 def test_non_finite_loss_skips_the_update_then_aborts(tmp_path):
-    from grpolab.train.grpo import TrainingError
+    from grpolab.errors import TrainingError
     tr = _trainer(tmp_path, "reward.functions=[length]", "train.max_bad_steps=1")
     for n in (1, 2):
         batch, _ = tr.collect()

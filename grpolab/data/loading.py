@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .messages import canonical_role, role_problem
+from ..errors import DataError
 
 SPLIT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-
-class DataError(ValueError):
-    """A dataset problem, in one line: which file, which row, which column, and how to fix it."""
 
 
 # ---------------------------------------------------------------- reading

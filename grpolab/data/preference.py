@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from .loading import DataError, _preview
+from .loading import _preview
+from ..errors import DataError
 from .supervised import _messages, as_sft_row, encode, fit_length
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.padding import pad_sequences
-from .loading import DataError, _preview, check_roles
+from .loading import _preview, check_roles
+from ..errors import DataError
 from .messages import canonical_role
 
 MESSAGES_KEY = "messages"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 def _peft():

@@ -22,7 +22,7 @@ from typing import Callable
 
 from .answers import gsm8k_accuracy
 from .code import code_exec
-from .errors import RewardError, UnknownRewardError
+from ..errors import RewardError, UnknownRewardError
 from .format import answer_format, boxed_format, think_format
 from . import length as _length  # not `from .length import length`: keep rewards.length the module
 from .length import make_length_reward

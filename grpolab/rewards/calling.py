@@ -20,7 +20,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .errors import RewardError
+from ..errors import RewardError
 
 CALL_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "policy")
 

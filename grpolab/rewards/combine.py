@@ -25,7 +25,7 @@ from ..config import RewardConfig
 from . import get_reward, reward_names
 from .calling import CALL_ARGS, RewardLog, TrainerState, as_completions, bind_keywords, verl_hint
 from .code import SETTINGS as CODE_EXEC, code_exec
-from .errors import RewardError
+from ..errors import RewardError
 
 __all__ = ["RewardError", "RewardLog", "TrainerState", "check_signatures", "configure", "is_async", "number_mean",
            "score"]

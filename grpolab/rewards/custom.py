@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .errors import RewardError
+from ..errors import RewardError
 
 _FORMS = "use 'package.module:function' or 'path/to/file.py:function'"
 

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 from .calling import completion_text
-from .errors import RewardError
+from ..errors import RewardError
 
 PREFIX = "judge:"
 

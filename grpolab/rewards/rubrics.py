@@ -10,7 +10,8 @@ import math
 import re
 from collections import Counter
 
-from ..data.loading import DataError, read_records
+from ..data.loading import read_records
+from ..errors import DataError
 
 _WORD = re.compile(r"[a-z0-9]+")
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 from .calling import bind_keywords, completion_texts
 from .custom import load_function, parse_call, resolved_key
-from .errors import RewardError
+from ..errors import RewardError
 
 PREFIX = "verl:"
 SAMPLE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -16,15 +16,13 @@ import torch
 from ..utils.padding import pad_sequences
 from .keys import token_uniforms
 from .sampling import sample_next
+from ..errors import NonFiniteLogits
 
 
 # prompts are prefilled this many positions at a time: the prefill's attention scores and activations
 # then stay (rows x PREFILL_CHUNK x ...) however long the prompts are
 PREFILL_CHUNK = 512
 
-
-class NonFiniteLogits(RuntimeError):
-    """The model produced NaN/inf logits while sampling (its weights have diverged)."""
 
 
 @dataclass

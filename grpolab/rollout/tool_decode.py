@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.padding import pad_sequences
-from .engine import Generation, NonFiniteLogits
+from .engine import Generation
+from ..errors import NonFiniteLogits
 from .keys import token_uniforms
 from .sampling import sample_next
 from .tools import CallRecord, ToolRunner

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import re
 
-from ..config import ConfigError
-from .tools import CallRecord, ToolCallError
+from ..errors import ConfigError
+from .tools import CallRecord
+from ..errors import ToolCallError
 
 
 def _args(text: str) -> object:

@@ -19,11 +19,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..config import ConfigError
+from ..errors import ConfigError, ToolCallError
 
-
-class ToolCallError(ValueError):
-    """A call the model wrote that cannot be run (unparsable, unknown tool, bad arguments)."""
 
 
 # ------------------------------------------------------------------ built-in tools
@@ -116,7 +113,7 @@ def load_tool(spec: str) -> Tool:
         fn = BUILTIN[spec]
     elif ":" in spec:
         from ..rewards.custom import load_function
-        from ..rewards.errors import RewardError
+        from ..errors import RewardError
         try:
             fn = load_function(spec)
         except RewardError as e:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError
-from ..data.loading import DataError, check_roles
+from ..errors import ConfigError
+from ..data.loading import check_roles
+from ..errors import DataError
 from ..logging.console import Console, fmt_duration
 from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams

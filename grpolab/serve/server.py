@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .batcher import Batcher
 
 MAX_PORT = 65535

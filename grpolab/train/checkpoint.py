@@ -52,6 +52,7 @@ from ..models import GPT, GPTConfig, CharTokenizer
 from ..models.hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
 from ..models.lora import add_lora
 from ..utils.files import write_atomic
+from ..errors import CheckpointError
 
 TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
 ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N
@@ -64,9 +65,6 @@ TRAINING_ONLY = ("optimizer.pt", "rng.pt", "critic_optimizer.pt")   # not read w
 _LOADED_SUFFIXES = (".safetensors", ".pt", ".bin")
 _LOADED_NAMES = ("trainer_state.json", "model_config.json", "config.json", "adapter_config.json", RUN_CONFIG)
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (e.g. it holds pickled objects); the message says which file and why."""
 
 
 def _fsync_dir(path: Path) -> None:

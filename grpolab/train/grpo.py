@@ -34,14 +34,16 @@ from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
 from ..algorithms.losses import compute_policy_loss
 from .. import distributed as dist
 from .. import sharding
-from ..config import Config, ConfigError
+from ..config import Config
+from ..errors import ConfigError, TrainingError
 from ..eval import evaluate, score_samples
 from ..rollout.tool_decode import build_tool_use, tool_metrics
 from ..rewards import reward_name, reward_names, wants_policy
 from ..rewards.intrinsic import PolicyView
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rollout.batch import RolloutBatch, cat_batches
-from ..rollout.engine import NonFiniteLogits, generate
+from ..rollout.engine import generate
+from ..errors import NonFiniteLogits
 from ..rollout.keys import completion_keys
 from ..logging.console import StepProgress
 from ..logging.trackers import Trackers
@@ -55,9 +57,6 @@ from .master import MasterWeights
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
 
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many non-finite steps); the message says why and what to change."""
 
 
 class PromptSampler:

@@ -165,7 +165,7 @@ class OfflineTrainer:
             if count_nonfinite(params) + (count_nonfinite(
                     p for p in self.model.parameters() if p.requires_grad) if self.master else 0):
                 if saved is None:
-                    from .grpo import TrainingError
+                    from ..errors import TrainingError
                     raise TrainingError(
                         f"{self.job} step {self.step + 1}: {overflowed(loss_sum, norm, lr)}; stopped before saving "
                         f"them (the last checkpoint is kept). Lower {self.job}.lr, or set "
@@ -181,7 +181,7 @@ class OfflineTrainer:
             msg = (f"{self.job} step {self.step + 1}: {what} ({self.bad_steps} so far, "
                    f"train.max_bad_steps={self.cfg.train.max_bad_steps})")
             if self.bad_steps > self.cfg.train.max_bad_steps:
-                from .grpo import TrainingError
+                from ..errors import TrainingError
                 raise TrainingError(msg + f"; lower {self.job}.lr or check the data")
             if self.console is not None:
                 self.console.warn(msg)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed as dist
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .checkpoint import checkpoint_job, run_config_of
 
 # Safe: they change how long the run goes, when it saves, evaluates and logs, and where: never what a

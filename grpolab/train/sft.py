@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.loading import DataError
+from ..errors import DataError
 from ..data.supervised import Example, collate, encode, fit_length, pack
 from ..eval import evaluate
 from ..logging.console import eta_seconds, progress_line

@@ -8,7 +8,7 @@ Scored by the code_exec reward.
 
 from __future__ import annotations
 
-from ..loading import DataError
+from ...errors import DataError
 
 
 def load_humaneval(path: str | None = None) -> list[dict]:

@@ -55,7 +55,7 @@ import torch
 
 from grpolab import pipeline
 from grpolab.config import load_config
-from grpolab.logging.console import Console
+from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer
 
 DEFAULT_OUT = "runs/bench-learning"

@@ -34,7 +34,7 @@ def one(mode: str, vocab: int, rows: int, completion: int) -> dict:
     from grpolab.models import set_gradient_checkpointing
     from grpolab.models.hf import HFPolicy
     from grpolab.models.tiny_hf import build_tiny_llama
-    from grpolab.train.logprobs import completion_logprobs
+    from grpolab.models.logprobs import completion_logprobs
 
     chunk, ckpt = MODES[mode]
     torch.set_num_threads(2)

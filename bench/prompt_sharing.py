@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rollout as R  # noqa: E402
 
-from grpolab.data.tasks import arithmetic  # noqa: E402
-from grpolab.models import lean_decode  # noqa: E402
-from grpolab.models.hf import load_hf  # noqa: E402
-from grpolab.models.tiny_hf import save_tiny_model  # noqa: E402
-from grpolab.rollout.engine import generate  # noqa: E402
+from grpolab.data.tasks import arithmetic
+from grpolab.models import lean_decode
+from grpolab.models.hf import load_hf
+from grpolab.models.tiny_hf import save_tiny_model
+from grpolab.rollout.engine import generate
 
 
 def timed(policy, prompts, G, new, pad, share: bool, seed: int) -> float:

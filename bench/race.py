@@ -11,7 +11,7 @@
    lr 1e-4 betas (0.9, 0.999), no weight decay, constant LR without warm-up, grad-norm clip 1.0,
    fp32, 2 threads, --steps steps.
 3. Every --eval-every steps, the same evaluator scores each side's current weights: greedy accuracy
-   on --eval-n held-out problems (`grpolab.eval.evaluate` with k=1, grpolab's engine on both models,
+   on --eval-n held-out problems (`grpolab.train.evaluate.evaluate` with k=1, grpolab's engine on both models,
    so the evaluation is identical and is not part of either side's clock).
 
 Clock: each side's training seconds, evaluations excluded: ours, the sum of `train_step()` calls;
@@ -89,7 +89,7 @@ def run_ours(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     import torch
 
     from grpolab.config import config_from_dict
-    from grpolab.logging.console import Console
+    from grpolab.monitor.console import Console
     from grpolab.pipeline import build_trainer
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_from_dict({
@@ -130,7 +130,7 @@ def run_trl(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     from grpolab.config import config_from_dict
     from grpolab.models.hf import load_hf
     from grpolab.pipeline import load_data
-    from grpolab.rewards.answers import gsm8k_accuracy
+    from grpolab.rewards.accuracy import gsm8k_accuracy
     torch.set_num_threads(THREADS)
     train_rows, _ = load_data(config_from_dict({}))   # the task's training problems, as our trainer reads them
     _, tok = load_hf(str(ckpt))                         # our tokenizer wrapper, for the shared evaluator

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_model() -> str:
-    from grpolab.train.checkpoint import list_checkpoints
+    from grpolab.models.checkpoint import list_checkpoints
     for run in ("runs/demo", "runs/bench-serve"):
         found = list_checkpoints(ROOT / run / "checkpoints")
         if found:

@@ -101,7 +101,7 @@ import torch
 
 from grpolab.config import config_from_dict
 from grpolab.data.tasks import arithmetic
-from grpolab.logging.console import Console
+from grpolab.monitor.console import Console
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.pipeline import load_policy
 from grpolab.rewards import REWARDS

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _launch(nproc, argv)
     try:
-        from . import pipeline  # imported late so `grpolab --help` is instant
+        from . import pipeline
         from .errors import DataError
         from .errors import RewardError
         from .errors import CheckpointError
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             run_generate(args.model, args.inp, args.out, n=args.n, settings=settings, max_batch=args.max_batch,
                          score_cfg=score_cfg, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
         elif args.command == "report":
-            from .logging.report import write_report
+            from .monitor.report import write_report
             print(write_report(args.run_dir))
         elif args.command == "tiny-model":
             _tiny_model(args)

@@ -37,7 +37,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
 def export(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dtype: str = "float32") -> str:
     """Write the export; returns a one-line description of what was written."""
     from .models.lora import has_lora
-    from .train.checkpoint import load_model
+    from .models.checkpoint import load_model
 
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -15,10 +15,9 @@ from .data.loading import normalize_rows, read_records
 from .errors import DataError
 from .data.preference import fit_pairs, heldout_size, preference_rows
 from .data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
-from .logging.console import Console
-from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, configure_rewards, fit_prompts,
-                       load_data, load_policy, setup_torch, write_run_config)
-from .train.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
+from .monitor.console import Console
+from .pipeline import (EVAL_KEYS, _console, _device, _report, check_resume_job, configure_rewards, fit_prompts, load_data, load_policy, setup_torch, write_run_config)
+from .models.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
 from .train.memory_budget import check_eval_memory
 from .train.sft import model_context
 from .utils.files import write_json

@@ -19,12 +19,12 @@ from .data.tasks import arithmetic, pyfunc
 from .data.tasks.humaneval import load_humaneval
 from .data.tasks.gsm8k import load_gsm8k
 from .determinism import pin_cpu_numerics
-from .eval import evaluate
-from .logging.console import Console
+from .train.evaluate import evaluate
+from .monitor.console import Console
 from .models import CharTokenizer, build_builtin
 from .models.hf import load_hf, resolve_device
 from .rollout.tool_decode import build_tool_use
-from .train.checkpoint import checkpoint_job, find_resume_checkpoint, load_model
+from .models.checkpoint import checkpoint_job, find_resume_checkpoint, load_model
 from .train.grpo import GRPOTrainer
 from .train.resume_rules import check_resume_config
 from .train.memory_budget import builtin_shape, check_eval_memory, check_run_memory
@@ -296,7 +296,7 @@ def _demo(cfg: Config, console: Console, t0: float) -> dict:
 
 
 def _report(run_dir: Path, console: Console) -> None:
-    from .logging.report import write_report
+    from .monitor.report import write_report
     console.result(f"report: {write_report(run_dir)}")
 
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .logging.console import Console
+from .monitor.console import Console
 from .pipeline import _device, configure_rewards, fit_prompts, load_data
 from .rewards import reward_names
 from .rewards.combine import score
 from .rollout.engine import generate
 from .rollout.keys import completion_keys
 from .rollout.tool_decode import build_tool_use
-from .train.checkpoint import load_model
+from .models.checkpoint import load_model
 from .utils.files import write_atomic
 
 SAMPLE_SALT = 0x736D706C   # 'smpl': never the keys of the training rollouts of the same seed

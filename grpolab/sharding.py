@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .models.blocks import blocks
 
 # torch warns (on every rank, every step) when an FSDP unit returns a view: an in-place op on that
 # view (`out += y`) would skip the unit's pre-backward hook and give wrong gradients. The built-in
@@ -33,20 +33,6 @@ from .errors import ConfigError
 # test_fsdp_on_the_builtin_gpt_equals_one_process). A clone would cost a copy per block for nothing.
 # Only this class is silenced: a Hugging Face layer that returns a view still warns.
 BLOCK_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor"
-
-
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the built-in GPT's `blocks`, or the layers a Hugging Face model
-    declares unsplittable (`_no_split_modules`, e.g. LlamaDecoderLayer)."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
-    hf = getattr(model, "hf", model)
-    names = set(getattr(hf, "_no_split_modules", None) or ())
-    found = [m for m in hf.modules() if type(m).__name__ in names]
-    if not found:
-        raise ConfigError(f"train.strategy: fsdp cannot find the transformer blocks of {type(hf).__name__} "
-                         f"(it declares no _no_split_modules); use train.strategy=ddp")
-    return found
 
 
 def shard(model: nn.Module, frozen: bool = False) -> nn.Module:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import Config, _apply, _flatten, parse_override, read_yaml
 from .errors import ConfigError
-from .logging.console import Console
+from .monitor.console import Console
 from .utils.files import write_json
 
 JOBS = ("sft", "grpo", "sample", "dpo", "rm", "distill")
@@ -70,7 +70,7 @@ def stage_configs(path: str | Path, overrides: list[str]) -> tuple[Path, list[tu
 
 
 def _final_checkpoint(run_dir: Path) -> str:
-    from .train.checkpoint import list_checkpoints
+    from .models.checkpoint import list_checkpoints
     found = list_checkpoints(run_dir / "checkpoints")
     if not found:
         raise ConfigError(f"{run_dir}: the stage wrote no checkpoint")
@@ -104,7 +104,7 @@ def run_pipeline(path: str | Path, overrides: list[str], console: Console | None
         if rec.get("output"):
             samples["pairs" if rec.get("pairs") else "samples"] = rec["output"]
         write_json(root / "pipeline.json", {"stages": records})
-    from .logging.report import write_pipeline_report
+    from .monitor.report import write_pipeline_report
     console.result(f"report: {write_pipeline_report(root)}")
     return records
 

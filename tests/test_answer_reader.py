@@ -1,4 +1,4 @@
-"""The one reader of 'the answer after the last ####' (grpolab/rewards/answers.py) and everything
+"""The one reader of 'the answer after the last ####' (grpolab/data/answers.py) and everything
 built on it: gsm8k_accuracy, the `format` reward, math_accuracy's plain-number path, the GSM8K loader.
 
 ROWS is the README's answer table (between <!-- answer-table --> and <!-- /answer-table -->);
@@ -15,10 +15,11 @@ import pytest
 from conftest import ROOT
 from grpolab.errors import DataError
 from grpolab.data.tasks.gsm8k import load_gsm8k
-from grpolab.rewards.answers import (extract_hash_answer, final_answer_text, format_number, gsm8k_accuracy,
-                                     parse_number, plain_number, reference_answer)
+from grpolab.data.answers import (extract_hash_answer, final_answer_text, format_number, parse_number, plain_number, reference_answer)
+from grpolab.rewards.accuracy import gsm8k_accuracy
 from grpolab.rewards.format import answer_format
-from grpolab.rewards.math_answers import _plain_equal, math_accuracy
+from grpolab.data.math_answers import _plain_equal
+from grpolab.rewards.accuracy import math_accuracy
 
 SOLD = "She sold 48/2 = 24 in May.\n48 + 24 = 72 in all.\n#### 72"
 

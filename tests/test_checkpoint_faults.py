@@ -18,7 +18,7 @@ from grpolab.config import load_config
 from grpolab.errors import ConfigError
 from grpolab.models import GPT, GPTConfig
 from grpolab.pipeline import write_run_config
-from grpolab.train.checkpoint import cut_logs, find_resume_checkpoint, load_model, load_training_state, verify_checkpoint
+from grpolab.models.checkpoint import (cut_logs, find_resume_checkpoint, load_model, load_training_state, verify_checkpoint)
 from grpolab.errors import CheckpointError
 from grpolab.train.resume_rules import unsafe_changes
 from test_grpo import TINY
@@ -191,7 +191,7 @@ def test_truncated_weights_under_init_from_are_one_line(base, tmp_path):
 
 
 def test_a_truncated_reference_is_refused_by_name(base, tmp_path):
-    from grpolab.train.checkpoint import load_ref_weights
+    from grpolab.models.checkpoint import load_ref_weights
     run = _copy(base, tmp_path)
     ckpt = run / "checkpoints" / "step_2"
     _make_legacy(ckpt)
@@ -319,7 +319,7 @@ def test_a_full_disk_is_one_line_that_names_the_checkpoint_kept(base, tmp_path):
 SAVE_ON_FULL_DISK = """
 import sys, torch
 from grpolab.models import GPT, GPTConfig
-from grpolab.train.checkpoint import CheckpointError, save_checkpoint
+from grpolab.models.checkpoint import CheckpointError, save_checkpoint
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=64, block_size=32))
 save_checkpoint(sys.argv[1], 1, model, trainer_state={})

@@ -119,7 +119,7 @@ def _train_here(*overrides):
     """`grpolab train OVERRIDES` in this process, as the CLI builds it (without the final eval)."""
     from pathlib import Path
     from grpolab.config import load_config
-    from grpolab.logging.console import Console
+    from grpolab.monitor.console import Console
     from grpolab.pipeline import build_trainer, setup_torch
     cfg = load_config(None, list(overrides))
     setup_torch(cfg)
@@ -188,7 +188,7 @@ def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
     assert json.loads((runs["two"] / "eval.json").read_text()) == \
         pytest.approx(json.loads((runs["one"] / "eval.json").read_text()), abs=1e-9)
     # rank 0's checkpoint: the weights of the 1-process run
-    from grpolab.train.checkpoint import load_model
+    from grpolab.models.checkpoint import load_model
     weights = {n: load_model(str(o / "checkpoints" / "step_2"))[0].state_dict() for n, o in runs.items()}
     assert max(float((weights["two"][k] - v).abs().max()) for k, v in weights["one"].items()) <= 1e-6
 

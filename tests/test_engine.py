@@ -4,7 +4,7 @@ import torch
 
 from grpolab.rollout.engine import generate
 from grpolab.rollout.sampling import filter_logits
-from grpolab.train.logprobs import completion_logprobs
+from grpolab.models.logprobs import completion_logprobs
 
 
 def _prompts(tok):

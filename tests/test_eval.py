@@ -2,7 +2,7 @@ from itertools import combinations
 
 import pytest
 
-from grpolab.eval import pass_at_k
+from grpolab.train.evaluate import pass_at_k
 
 
 @pytest.mark.parametrize("n,c", [(8, 0), (8, 1), (8, 3), (8, 8), (5, 2)])
@@ -28,7 +28,7 @@ SAMPLES = ["#### 5", "so #### 5", "#### 3", "no answer",       # 2 right; votes 
 
 
 def test_scores_of_fixed_samples_equal_the_hand_computed_values():
-    from grpolab.eval import score_samples
+    from grpolab.train.evaluate import score_samples
     out, greedy_ok = score_samples(GREEDY, SAMPLES, ANSWERS, 4)
     assert greedy_ok == [True, True, False]
     c = [2, 1, 2]
@@ -45,7 +45,7 @@ def test_maj_at_k_under_math_accuracy_votes_like_the_exact_check():
     """'#### 1/2', '#### 3/6' and \\boxed{\\frac{1}{2}} are one answer for math_accuracy's vote, as
     for its check: 3 votes against 2 for '3' (split, '3' would win the tie as the first seen)."""
     pytest.importorskip("math_verify")
-    from grpolab.eval import score_samples
+    from grpolab.train.evaluate import score_samples
     samples = ["#### 3", "so \\boxed{\\frac{1}{2}}", "#### 1/2", "#### 3", "#### 3/6"]
     out, _ = score_samples(["#### 0.5"], samples, ["0.5"], 5, reward="math_accuracy")
     assert out["maj@5"] == 1.0 and out["pass@1"] == pytest.approx(3 / 5)
@@ -83,7 +83,7 @@ def test_eval_every_rows_equal_grpolab_eval_of_that_checkpoint(tmp_path):
 def test_eval_samples_do_not_depend_on_how_the_problems_are_split(tiny_gpt, tok):
     """Sample j of problem i is keyed by (seed, i, j): evaluating every 2nd problem on each of two
     'ranks' (row_ids given) gives every problem the samples of the whole run, whatever the batch size."""
-    from grpolab.eval import evaluate
+    from grpolab.train.evaluate import evaluate
     from grpolab.distributed import unstride
     rows = [{"prompt": f"Tom has {i} pens and finds {i + 1} more.", "answer": str(2 * i + 1)} for i in range(7)]
     whole = evaluate(tiny_gpt, tok, rows, k=4, max_new_tokens=10, batch_size=8, seed=3)["samples"]

@@ -41,7 +41,7 @@ def _load_alone(out, prompt, tmp_path, ids=None):
 
 
 def _ours(ckpt, prompt):
-    from grpolab.train.checkpoint import load_model
+    from grpolab.models.checkpoint import load_model
     model, tok = load_model(str(ckpt))
     ids = tok.render_prompt(prompt)
     with torch.no_grad():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from grpolab.config import load_config
-from grpolab.logging.console import Console
+from grpolab.monitor.console import Console
 from grpolab.pipeline import build_trainer, load_data, load_policy, setup_torch
 from grpolab.train.grpo import GRPOTrainer
 from grpolab.train.schedule import lr_factor

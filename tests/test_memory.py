@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpolab.models import GPT, GPTConfig, CharTokenizer, set_gradient_checkpointing
-from grpolab.train.logprobs import completion_logprobs
+from grpolab.models.logprobs import completion_logprobs
 from test_grpo import make_trainer
 
 
@@ -96,7 +96,7 @@ def test_logprob_chunk_null_chunks_only_logits_over_the_size_limit(models, monke
     """optim.logprob_chunk null: rows x positions x vocabulary x 4 bytes over AUTO_CHUNK_BYTES chunks,
     at or under it one pass; a number is used as given. Through completion_logprobs: with the limit just
     under this batch's logits nothing vocabulary-wide outlives a chunk, just at them the full logits are kept."""
-    from grpolab.train import logprobs
+    from grpolab.models import logprobs
     m = copy.deepcopy(models["llama"]).train()
     B, C, V = 3, 40, m.config.vocab_size
     limit = logprobs.AUTO_CHUNK_BYTES
@@ -207,7 +207,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_the_plain_ones(models, chunk
     """optim.share_prompt: each group's prompt runs once (its KV cache, with autograd, serves the
     group). Log-probs, entropies and every parameter's gradient equal the plain pass's, written out
     independently above (full logits of each whole sequence)."""
-    from grpolab.train.logprobs import _shared_prompt_hidden
+    from grpolab.models.logprobs import _shared_prompt_hidden
     pid, pm, cid, cm = _grouped_batch()
     results = []
     for group in (0, 4):

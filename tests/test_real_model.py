@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, randomize_lora_b
 from grpolab.models.hf import gguf_file, load_hf
 from grpolab.rollout.engine import generate
-from grpolab.train.logprobs import completion_logprobs
+from grpolab.models.logprobs import completion_logprobs
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import fetch_smollm2  # noqa: E402

@@ -1,4 +1,4 @@
-"""grpolab.logging.report: the HTML run report built from a run directory's files."""
+"""grpolab.monitor.report: the HTML run report built from a run directory's files."""
 
 import base64
 import io
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from grpolab.logging.report import OFFLINE_PLOTS, PLOTS, eval_endpoints, write_report
+from grpolab.monitor.report import OFFLINE_PLOTS, PLOTS, eval_endpoints, write_report
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 STEPS = 20

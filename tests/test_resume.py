@@ -81,7 +81,7 @@ def test_sigint_saves_a_checkpoint_and_exits(tmp_path):
 
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     """A wide model makes each checkpoint write take a while; kill as soon as one is being written."""
-    from grpolab.train.checkpoint import list_checkpoints, load_model
+    from grpolab.models.checkpoint import list_checkpoints, load_model
     out = tmp_path / "run"
     big = ["model.n_layer=2", "model.n_embd=640", "model.n_head=4"]
     proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *_args(tmp_path, out), *big], cwd=ROOT,
@@ -123,7 +123,7 @@ def parity_len(prompts, completions, **_):
 def _train(out, args):
     from pathlib import Path
     from grpolab.config import load_config
-    from grpolab.logging.console import Console
+    from grpolab.monitor.console import Console
     from grpolab.pipeline import build_trainer, setup_torch
     cfg = load_config(None, TINY + [f"train.output_dir={out}", *args])
     setup_torch(cfg)

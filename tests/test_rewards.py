@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from grpolab.rewards import get_reward
-from grpolab.rewards.answers import extract_hash_answer, gsm8k_accuracy
+from grpolab.data.answers import extract_hash_answer
+from grpolab.rewards.accuracy import gsm8k_accuracy
 from grpolab.rewards.combine import score
 from grpolab.errors import RewardError
 from conftest import GSM8K_DIR, GSM8K_SAMPLE
@@ -98,10 +99,10 @@ def test_reward_errors_name_the_function_and_sample(monkeypatch, fn, msg):
 
 from grpolab.rewards import REWARDS, reward_name
 from grpolab.errors import UnknownRewardError
-from grpolab.rewards.format import boxed_content, think_format  # noqa: E402
-from grpolab.rewards.length import length, make_length_reward  # noqa: E402
-from grpolab.rewards.math_answers import math_accuracy  # noqa: E402
-from grpolab.rewards.model import reward_model  # noqa: E402
+from grpolab.rewards.format import boxed_content, think_format
+from grpolab.rewards.length import length, make_length_reward
+from grpolab.rewards.accuracy import math_accuracy
+from grpolab.rewards.model import reward_model
 
 NATALIA = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.\n#### 72"
 

@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from grpolab.algorithms.advantages import (compute_gae, compute_reinforce_plus_plus, compute_remax, masked_whiten,
-                                           token_level_rewards)
+from grpolab.algorithms.advantages import (compute_gae, compute_reinforce_plus_plus, compute_remax, masked_whiten, token_level_rewards)
 from grpolab.algorithms.losses import explained_variance, value_loss
 from grpolab.algorithms.rollout_correction import rollout_correction
 from grpolab.models import GPT, GPTConfig, CharTokenizer

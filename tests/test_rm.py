@@ -112,7 +112,7 @@ def test_reward_model_resume_matches_the_uninterrupted_run(builtin_rm, tmp_path)
 
 def test_rm_of_a_policy_checkpoint_is_refused_in_one_line(tmp_path):
     from grpolab.models import GPT, CharTokenizer, GPTConfig
-    from grpolab.train.checkpoint import save_checkpoint
+    from grpolab.models.checkpoint import save_checkpoint
     tok = CharTokenizer()
     ckpt = save_checkpoint(tmp_path, 0, GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32,
                                                       block_size=32)), tokenizer=tok)
@@ -180,7 +180,7 @@ def test_a_missing_starting_model_is_one_line(tmp_path, capsys):
 def test_builtin_lora_reward_model_trains_adapters_and_head_only(tmp_path):
     from grpolab.models import GPT, CharTokenizer, GPTConfig
     from grpolab.offline import run_rm
-    from grpolab.train.checkpoint import save_checkpoint
+    from grpolab.models.checkpoint import save_checkpoint
     tok = CharTokenizer()
     torch.manual_seed(0)
     policy = save_checkpoint(tmp_path / "policy", 0, GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2,
@@ -208,7 +208,7 @@ def test_a_dpo_checkpoint_scores_as_its_implicit_reward(tmp_path):
 
     from grpolab.models import CharTokenizer
     from grpolab.offline import run_dpo
-    from grpolab.train.checkpoint import load_model
+    from grpolab.models.checkpoint import load_model
     pairs = _write(tmp_path / "pairs.jsonl", _pairs(32, 4))
     run_dpo(load_config(None, [*TINY, f"dpo.pairs={pairs}", "dpo.steps=4", "dpo.batch_size=8", "dpo.lr=3e-3",
                                "dpo.beta=0.2", "data.train_size=20", "data.test_size=4", "eval.num_problems=4",

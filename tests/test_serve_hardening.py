@@ -27,7 +27,7 @@ from grpolab.errors import ConfigError
 from grpolab.models import CharTokenizer
 from grpolab.serve.generate import sampling_settings
 from grpolab.serve.server import is_loopback
-from grpolab.train.checkpoint import save_checkpoint
+from grpolab.models.checkpoint import save_checkpoint
 from test_serve import _builtin
 
 KEY = "sk-test-0123456789"

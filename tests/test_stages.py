@@ -55,7 +55,7 @@ def warm(tmp_path_factory):
 
 
 def test_sft_job_is_the_demo_warm_start(warm, tmp_path):
-    from grpolab.logging.console import Console
+    from grpolab.monitor.console import Console
     from grpolab.pipeline import load_data, load_policy, setup_torch
     cfg = _cfg(tmp_path, "sft.steps=40", "sft.batch_size=16", "sft.bare_steps=10")
     setup_torch(cfg)

@@ -1,7 +1,7 @@
 import re
 
 from grpolab.data.tasks.arithmetic import ArithmeticConfig, generate, warm_start_mixer
-from grpolab.rewards.answers import gsm8k_accuracy
+from grpolab.rewards.accuracy import gsm8k_accuracy
 
 
 def test_solutions_are_correct_step_by_step():

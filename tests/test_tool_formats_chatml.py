@@ -20,7 +20,7 @@ from grpolab.rollout.keys import completion_keys
 from grpolab.rollout.tool_decode import ToolUse
 from grpolab.rollout.tool_formats import HermesFormat, is_chatml, tool_format
 from grpolab.rollout.tools import CallRecord, ToolRunner, load_tools
-from grpolab.train.logprobs import completion_logprobs
+from grpolab.models.logprobs import completion_logprobs
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import fetch_smollm2  # noqa: E402

@@ -16,7 +16,7 @@ from grpolab.rollout.tool_decode import ToolUse, tool_metrics
 from grpolab.rollout.tool_formats import BuiltinFormat
 from grpolab.rollout.tools import ToolRunner, calculator, load_tool, load_tools, truncate
 from grpolab.errors import ToolCallError
-from grpolab.train.logprobs import completion_logprobs
+from grpolab.models.logprobs import completion_logprobs
 
 TOOLS_PY = '''
 import time
@@ -87,7 +87,7 @@ def scripted():
     """A tiny GPT that greedily writes SCRIPTS[prompt] (trained here on exactly those completions,
     tool outputs masked out of the loss as SFT does)."""
     from grpolab.data.supervised import Example, collate, encode
-    from grpolab.train.logprobs import token_logprobs
+    from grpolab.models.logprobs import token_logprobs
     tok = CharTokenizer()
     torch.manual_seed(0)
     model = GPT(GPTConfig(tok.vocab_size, n_layer=2, n_head=2, n_embd=64, block_size=192))
@@ -310,7 +310,7 @@ def test_config_validation():
 
 
 def test_report_plots_tool_metrics(tmp_path):
-    from grpolab.logging.report import PLOTS, write_report
+    from grpolab.monitor.report import PLOTS, write_report
     rows = [{"step": s, "reward": 0.1 * s, "tools/calls_per_completion": 0.5 * s, "tools/error_rate": 0.1}
             for s in range(1, 5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -345,7 +345,7 @@ def test_sft_does_not_train_on_tool_outputs():
 
 
 def test_eval_counts_the_greedy_calls(scripted, tools):
-    from grpolab.eval import evaluate
+    from grpolab.train.evaluate import evaluate
     model, tok = scripted
     rows = [{"prompt": p, "answer": "#### 1"} for p in ("none", "one", "two")]
     res = evaluate(model, tok, rows, k=1, max_new_tokens=120, tools=tools)

@@ -14,7 +14,7 @@ from grpolab.rollout.keys import completion_keys
 from grpolab.rollout.tool_decode import ToolUse
 from grpolab.rollout.tool_formats import HermesFormat, tool_format
 from grpolab.rollout.tools import CallRecord, ToolRunner, load_tools
-from grpolab.train.logprobs import completion_logprobs, token_logprobs
+from grpolab.models.logprobs import completion_logprobs, token_logprobs
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
 

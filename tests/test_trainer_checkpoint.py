@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from grpolab.train.checkpoint import _install, _stage, find_resume_checkpoint, list_checkpoints, load_training_state
+from grpolab.models.checkpoint import _install, _stage, find_resume_checkpoint, list_checkpoints, load_training_state
 from grpolab.errors import CheckpointError
 from test_grpo import make_trainer
 

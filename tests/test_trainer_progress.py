@@ -14,7 +14,7 @@ import time
 import torch
 
 from conftest import ROOT, run_cli
-from grpolab.logging.console import Console, StepProgress, eta_seconds
+from grpolab.monitor.console import Console, StepProgress, eta_seconds
 from grpolab.rollout.engine import generate
 from test_grpo import TINY, make_trainer
 

@@ -9,7 +9,7 @@ import torch
 from grpolab.algorithms.presets import PRESETS
 from grpolab.config import load_config
 from grpolab.errors import ConfigError
-from grpolab.logging.console import Console
+from grpolab.monitor.console import Console
 from grpolab.pipeline import load_data, load_policy, setup_torch
 from grpolab.train.grpo import GRPOTrainer
 from test_grpo import EASY, make_trainer

@@ -164,7 +164,7 @@ class HFPolicy(nn.Module):
 
     def prefix_cache(self) -> HFCache | None:
         """An empty HF cache that autograd can flow through, for running a group's shared prompt once in
-        the log-prob passes (train/logprobs.py); None where a cache may drop keys (sliding-window layers)
+        the log-prob passes (models/logprobs.py); None where a cache may drop keys (sliding-window layers)
         or the logits are not a plain head over hidden states."""
         from transformers import DynamicCache
         if not self.has_plain_head:

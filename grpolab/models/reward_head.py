@@ -210,7 +210,7 @@ class ImplicitRewardModel(nn.Module):
 
     def forward(self, batch: list) -> torch.Tensor:
         from ..data.supervised import collate
-        from ..train.logprobs import summed_logprobs
+        from .logprobs import summed_logprobs
         from .lora import adapters_off
         dev = next(self.policy.parameters()).device
         b = {k: v.to(dev) for k, v in collate(batch, self.tok.pad_id).items()}
@@ -227,7 +227,7 @@ def load_implicit_rm(path: str | Path, device: str = "cpu") -> ImplicitRewardMod
     """The implicit reward model of a `grpolab dpo` checkpoint; beta from its run's config.yaml."""
     import yaml
 
-    from ..train.checkpoint import load_model, load_ref_weights
+    from .checkpoint import load_model, load_ref_weights
     from .lora import has_lora
     p = Path(path)
     policy, tok = load_model(p, device=device)
@@ -241,5 +241,5 @@ def load_implicit_rm(path: str | Path, device: str = "cpu") -> ImplicitRewardMod
 
 
 def is_dpo_checkpoint(path: str | Path) -> bool:
-    from ..train.checkpoint import checkpoint_job
+    from .checkpoint import checkpoint_job
     return checkpoint_job(path) == "dpo"

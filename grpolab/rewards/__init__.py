@@ -20,13 +20,13 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from .answers import gsm8k_accuracy
+from .accuracy import gsm8k_accuracy
 from .code import code_exec
 from ..errors import RewardError, UnknownRewardError
 from .format import answer_format, boxed_format, think_format
-from . import length as _length  # not `from .length import length`: keep rewards.length the module
+from . import length as _length
 from .length import make_length_reward
-from .math_answers import math_accuracy
+from .accuracy import math_accuracy
 from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
 
 RewardFn = Callable[..., list]

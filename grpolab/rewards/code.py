@@ -10,7 +10,7 @@ fenced block that does; the judge takes the test's helpers from it, never from t
 Tests, from the row's columns:
 - `test` (code defining `check(candidate)`, HumanEval/MBPP style) and `entry_point` (the function's
   name): one test, passed when check(candidate) returns (HumanEval's pass/fail). The check runs in
-  the judge, the program in a separate process; see grpolab.sandbox.judge.
+  the judge, the program in a separate process; see grpolab.sandbox.grader.
 - `test_cases`: [{"input", "output"}, ...] (APPS / CodeContests), or {"inputs": [...], "outputs": [...]},
   or either as a JSON string; verl's code rows keep them in reward_model.ground_truth, which reaches
   this function as `answer`. Each case is one test: the program reads the input on stdin and passes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .answers import extract_hash_answer
+from ..data.answers import extract_hash_answer
 from .calling import completion_texts
 
 

@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..utils.padding import pad_sequences
-from .answers import final_answer_text
+from ..data.answers import final_answer_text
 from .calling import completion_texts
 
 ANSWER_MARK = "#### "

@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from ..models.reward_head import rm_input  # noqa: F401 - re-exported: the rendering the RM scores
 from .calling import completion_texts
 from ..errors import RewardError
 

@@ -71,7 +71,7 @@ def python(code: str) -> str:
     Args:
         code: the program; use print() to show results.
     """
-    from ..rewards.code import SETTINGS   # reward.code_exec's sandbox limits
+    from ..rewards.code import SETTINGS
     from ..sandbox.runner import run_program
     v = run_program(str(code), {"mode": "output"}, SETTINGS.limits, unsafe=SETTINGS.unsafe)
     if v.status == "timeout":

@@ -21,7 +21,7 @@ import yaml
 from ..errors import ConfigError
 from ..data.loading import check_roles
 from ..errors import DataError
-from ..logging.console import Console, fmt_duration
+from ..monitor.console import Console, fmt_duration
 from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
 

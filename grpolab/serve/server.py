@@ -25,7 +25,7 @@ def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | No
     from ..models.hf import HFPolicy
     from ..models.lean_decode import LeanDecoder, unsupported_reason
     from ..models.lora import has_lora
-    from ..train.checkpoint import load_model
+    from ..models.checkpoint import load_model
 
     if max_batch < 1:
         raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")

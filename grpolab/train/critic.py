@@ -18,7 +18,7 @@ def build_critic(cfg, policy) -> Critic:
     """critic.name_or_path (a checkpoint or HF model dir), else a copy of the starting policy (its
     LoRA adapters, if any, become ordinary trained weights), plus a zero-initialised value head."""
     if cfg.critic.name_or_path:
-        from .checkpoint import load_model
+        from ..models.checkpoint import load_model
         backbone, _ = load_model(cfg.critic.name_or_path, dtype=cfg.model.dtype,
                                  device=str(next(policy.parameters()).device))
     else:
@@ -80,7 +80,7 @@ class CriticTrainer:
                    path / "critic_optimizer.pt")
 
     def load(self, path: Path) -> None:
-        from .checkpoint import _load_plain
+        from ..models.checkpoint import _load_plain
         load_safetensors_model(self.model, str(path / "critic.safetensors"))
         state = _load_plain(path / "critic_optimizer.pt")
         self.opt.load_state_dict(state["optimizer"])

@@ -19,7 +19,7 @@ from ..algorithms.losses import dpo_loss
 from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
 from ..models.lora import adapters_off
-from .logprobs import summed_logprobs
+from ..models.logprobs import summed_logprobs
 from .loop import OfflineTrainer
 from .sft import model_context, task_eval
 

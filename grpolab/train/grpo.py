@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..algorithms.advantages import (TOKEN_ESTIMATORS, compute_advantages, compute_gae, compute_reinforce_plus_plus,
-                                     compute_remax, token_level_rewards)
+from ..algorithms.advantages import (TOKEN_ESTIMATORS, compute_advantages, compute_gae, compute_reinforce_plus_plus, compute_remax, token_level_rewards)
 from ..algorithms.rollout_correction import rollout_correction
 from ..algorithms.aggregate import aggregate
 from ..algorithms.kl import apply_kl_in_reward, kl_penalty
@@ -36,7 +35,7 @@ from .. import distributed as dist
 from .. import sharding
 from ..config import Config
 from ..errors import ConfigError, TrainingError
-from ..eval import evaluate, score_samples
+from .evaluate import evaluate, score_samples
 from ..rollout.tool_decode import build_tool_use, tool_metrics
 from ..rewards import reward_name, reward_names, wants_policy
 from ..rewards.intrinsic import PolicyView
@@ -45,14 +44,14 @@ from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import generate
 from ..errors import NonFiniteLogits
 from ..rollout.keys import completion_keys
-from ..logging.console import StepProgress
-from ..logging.trackers import Trackers
+from ..monitor.console import StepProgress
+from ..monitor.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import adapters_off, add_lora, has_lora, lora_config
 from .critic import CriticTrainer
 from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
-from .checkpoint import cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint
-from .logprobs import completion_logprobs
+from ..models.checkpoint import (cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint)
+from ..models.logprobs import completion_logprobs
 from .master import MasterWeights
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor

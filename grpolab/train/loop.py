@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ..logging.console import PROGRESS_SECONDS, StepProgress
-from ..logging.trackers import Trackers
+from ..monitor.console import PROGRESS_SECONDS, StepProgress
+from ..monitor.trackers import Trackers
 from ..models import set_gradient_checkpointing
 from ..models.lora import add_lora, has_lora, lora_config
 from .finite_step import count_nonfinite, overflowed, restore, snapshot
-from .checkpoint import cut_logs, drop_final_eval, load_training_state, prune_checkpoints, save_checkpoint
+from ..models.checkpoint import cut_logs, drop_final_eval, load_training_state, prune_checkpoints, save_checkpoint
 from .master import MasterWeights
 from .schedule import lr_factor
 

@@ -15,7 +15,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from ..errors import ConfigError
-from .checkpoint import checkpoint_job, run_config_of
+from ..models.checkpoint import checkpoint_job, run_config_of
 
 # Safe: they change how long the run goes, when it saves, evaluates and logs, and where: never what a
 # training step computes.

@@ -12,10 +12,10 @@ import torch
 
 from ..errors import DataError
 from ..data.supervised import Example, collate, encode, fit_length, pack
-from ..eval import evaluate
-from ..logging.console import eta_seconds, progress_line
+from .evaluate import evaluate
+from ..monitor.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
-from .logprobs import token_logprobs
+from ..models.logprobs import token_logprobs
 from .loop import OfflineTrainer
 from .schedule import lr_factor
 

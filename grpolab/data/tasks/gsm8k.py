@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from grpolab.data.loading import read_records
 from ...errors import DataError
-from grpolab.rewards.answers import extract_hash_answer, final_answer_text, format_number
+from grpolab.data.answers import extract_hash_answer, final_answer_text, format_number
 
 HUB_NAMES = ("openai/gsm8k", "gsm8k")
 
@@ -18,7 +18,7 @@ HUB_NAMES = ("openai/gsm8k", "gsm8k")
 def final_answer(solution: str) -> str | None:
     """The solution's answer in canonical form ('#### 1,000' -> '1000', '#### -3.50' -> '-3.5',
     '#### 1/3' -> '1/3'): the first number on the line after the last '####', read by
-    `grpolab.rewards.answers` (the reader gsm8k_accuracy uses); None when that line has none."""
+    `grpolab.data.answers` (the reader gsm8k_accuracy uses); None when that line has none."""
     value = extract_hash_answer(solution)
     return None if value is None else format_number(value)
 

@@ -20,7 +20,6 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
-from .calling import completion_texts
 
 _INT = r"[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+"
 # sign, an optional '$' after it, then an integer with a decimal part or '/denominator', or '.5'
@@ -133,13 +132,3 @@ def format_number(value: Fraction) -> str:
     places = max(twos, fives)
     digits = str(abs(num) * 10 ** places // value.denominator).rjust(places + 1, "0")
     return f"{'-' if num < 0 else ''}{digits[:-places]}.{digits[-places:]}"
-
-
-def gsm8k_accuracy(prompts, completions, answer, **_) -> list[float]:
-    """1.0 when the completion's answer (first number after its last '####') equals the
-    reference read by `reference_answer`, exactly as Fractions; else 0.0."""
-    out = []
-    for completion, ref in zip(completion_texts(completions), answer):
-        got, want = extract_hash_answer(completion), reference_answer(ref)
-        out.append(1.0 if got is not None and want is not None and got == want else 0.0)
-    return out

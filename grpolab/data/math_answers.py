@@ -18,7 +18,6 @@ from decimal import Decimal
 from fractions import Fraction
 
 from .answers import final_answer_text, plain_hash_answer, plain_number, reference_answer
-from .calling import completion_texts
 
 # math-verify times out with signal.alarm: whole seconds, main thread only
 TIMEOUT_S = 5
@@ -107,15 +106,3 @@ def is_correct(completion: str, answer) -> bool | None:
         return bool(pred) and verify(gold, pred, timeout_seconds=_timeout())
     except Exception:  # noqa: BLE001 - one bad sample (or a timeout) must not stop training
         return False
-
-
-def math_accuracy(prompts, completions, answer, **_) -> list[float | None]:
-    """1.0 when the completion's final answer equals `answer` (see `is_correct`), else 0.0.
-
-    None (not applicable) for a sample whose reference answer cannot be parsed.
-    """
-    out: list[float | None] = []
-    for completion, ref in zip(completion_texts(completions), answer):
-        ok = is_correct(completion, ref)
-        out.append(None if ok is None else float(ok))
-    return out

@@ -8,10 +8,10 @@ from math import comb
 
 import torch
 
-from .rewards import get_reward
-from .rewards.answers import extract_hash_answer, format_number, plain_hash_answer
-from .rollout.engine import generate
-from .rollout.keys import completion_keys
+from ..rewards import get_reward
+from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
+from ..rollout.engine import generate
+from ..rollout.keys import completion_keys
 
 
 
@@ -26,7 +26,7 @@ def answer_key(completion: str, reward: str) -> str | None:
     plain = plain_hash_answer(completion)
     if plain is not None:   # math_accuracy decides plain numbers exactly, as the reader does
         return format_number(plain)
-    from .rewards.math_answers import parse_completion
+    from ..data.math_answers import parse_completion
     try:
         parsed = parse_completion(completion)
     except Exception:  # noqa: BLE001 - an unparseable sample casts no vote

@@ -1,10 +1,10 @@
-"""The judge: runs a program's tests from outside the program's process and counts what passed.
+"""The grader: runs a program's tests from outside the program's process and counts what passed.
 
 Runs inside the sandbox as its PID 1 (or, unsandboxed, as the launcher), standard library only.
 The program runs in a separate worker process that never sees a test or an expected output:
 
 - `check` mode (HumanEval/MBPP rows: `test` code defining `check(candidate)`, and `entry_point`):
-  the test code runs here, in the judge; `candidate` and every other name the test takes from the
+  the test code runs here, in the grader; `candidate` and every other name the test takes from the
   program are proxies whose calls go to the worker and come back as plain values (`wire`). The
   program cannot patch the test, its asserts or `check`, cannot print a verdict, and exiting or
   crashing only makes the remaining calls fail. Names the row's trusted prompt defines (helpers
@@ -15,7 +15,7 @@ The program runs in a separate worker process that never sees a test or an expec
 - `output` mode (the python tool): the program runs once as a script; the report carries what it
   printed (stdout and stderr).
 
-Reports go to a private copy of the judge's stdout, one JSON line per program; the judge's own
+Reports go to a private copy of the grader's stdout, one JSON line per program; the grader's own
 stdout and stderr are /dev/null, so nothing a test prints can pass for a report.
 """
 
@@ -326,7 +326,7 @@ def _free(code: str) -> set[str]:
 
 
 def worker_source() -> str:
-    """The worker's program text (wire.py + worker.py), read before the judge enters the sandbox."""
+    """The worker's program text (wire.py + worker.py), read before the grader enters the sandbox."""
     here = os.path.dirname(WORKER)
     with open(os.path.join(here, "wire.py")) as a, open(WORKER) as b:
         return a.read() + "\n" + b.read()
@@ -352,14 +352,14 @@ def _clear(path: str) -> None:
 def main(batch: dict, isolated: bool, worker_src: str, report_fd: int) -> None:
     """Judge batch["programs"] one after another; one JSON line per program on `report_fd` as it
     finishes. Between programs every process the last one left is killed and the work dir is emptied;
-    when it cannot be emptied the judge stops, and the host runs the rest in a fresh sandbox. (In the
+    when it cannot be emptied the grader stops, and the host runs the rest in a fresh sandbox. (In the
     sandbox, launch.py judges each program in namespaces of its own instead: see isolate.confine.)"""
     limits = {k: v for k, v in batch.items() if k != "programs"}
     for i, item in enumerate(batch["programs"]):
         try:
             report = Judge({**limits, **item}, worker_src, isolated).run()
         except Exception as e:  # noqa: BLE001 - a malformed test is this program's error, not the batch's
-            report = _report(0, 1, "error", f"the judge failed: {type(e).__name__}: {str(e)[:300]}")
+            report = _report(0, 1, "error", f"the grader failed: {type(e).__name__}: {str(e)[:300]}")
         os.write(report_fd, (json.dumps({"i": i, "report": report}) + "\n").encode())
         try:
             _clear(batch["workdir"])

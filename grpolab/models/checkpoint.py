@@ -48,9 +48,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_safetensors_model
 
-from ..models import GPT, GPTConfig, CharTokenizer
-from ..models.hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
-from ..models.lora import add_lora
+from . import GPT, GPTConfig, CharTokenizer
+from .hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
+from .lora import add_lora
 from ..utils.files import write_atomic
 from ..errors import CheckpointError
 

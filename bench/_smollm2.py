@@ -29,7 +29,7 @@ import torch
 from grpolab.config import Config, config_from_dict
 from grpolab.train.evaluate import evaluate
 from grpolab.models.hf import HFPolicy, HFTokenizer
-from grpolab.pipeline import load_data
+from grpolab.jobs.inputs import load_data
 from grpolab.rewards import REWARDS
 from grpolab.train.grpo import PromptSampler
 
@@ -102,7 +102,7 @@ def ours_config(model: Path, run_dir: Path, s: Setting, max_steps: int = 10_000)
 def build_ours(model: Path, run_dir: Path, s: Setting, max_steps: int = 10_000):
     """grpolab's GRPOTrainer for the setting (the same path as `grpolab train`: data, policy, LoRA)."""
     from grpolab.monitor.console import Console
-    from grpolab.pipeline import build_trainer
+    from grpolab.jobs.train import build_trainer
     cfg = ours_config(model, run_dir, s, max_steps)
     return build_trainer(cfg, run_dir, Console(stream=sys.stderr, level="quiet"))
 

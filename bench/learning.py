@@ -53,7 +53,7 @@ from typing import Any, Iterator
 
 import torch
 
-from grpolab import pipeline
+from grpolab.jobs import train as pipeline
 from grpolab.config import load_config
 from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer

@@ -94,7 +94,7 @@ def rows(n: int = PROMPTS, tokens: int = PROMPT_TOKENS) -> list[dict]:
 def run_ours(model_dir: Path, lora: int, ckpt: bool) -> dict:
     from grpolab.config import config_from_dict
     from grpolab.monitor.console import Console
-    from grpolab.pipeline import load_policy
+    from grpolab.jobs.inputs import load_policy
     from grpolab.train.grpo import GRPOTrainer
     import torch
     torch.set_num_threads(THREADS)

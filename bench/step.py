@@ -103,7 +103,7 @@ from grpolab.config import config_from_dict
 from grpolab.data.tasks import arithmetic
 from grpolab.monitor.console import Console
 from grpolab.models.tiny_hf import save_tiny_model
-from grpolab.pipeline import load_policy
+from grpolab.jobs.inputs import load_policy
 from grpolab.rewards import REWARDS
 from grpolab.train.grpo import GRPOTrainer
 

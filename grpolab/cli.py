@@ -5,13 +5,32 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
+import logging
 import os
+import re
+import signal
 import sys
+import time
+import uuid
+from pathlib import Path
+
+from safetensors import SafetensorError
 
 from .config import load_config
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError, DataError, ExportError, RewardError, TrainingError
 
 DEMO_DIR = "runs/demo"
+
+
+def _job(command: str):
+    """grpolab.jobs.<command>, imported when the command runs: --help and usage errors answer without
+    loading torch (a second or more on a small machine)."""
+    return importlib.import_module(f"{__package__}.jobs.{command.replace('-', '_')}")
+
+
+def _distributed():
+    return importlib.import_module(f"{__package__}.distributed")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,17 +173,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tiny_model(args) -> None:
-    import json
-    from .models.tiny_hf import save_tiny_model
-    texts = None
-    if args.data:
-        with open(args.data) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        texts = [str(r.get("question", r.get("prompt", ""))) + "\n" + str(r.get("answer", "")) for r in rows]
-    print(f"wrote {save_tiny_model(args.out, texts, vocab_size=args.vocab_size)}")
-
-
 # exit code of a rank that stopped only because another one failed: the launcher names the other
 LOST_A_RANK = 3
 
@@ -173,9 +181,6 @@ def _launch(nproc: int, argv: list[str]) -> int:
     """Run `grpolab argv` as `nproc` local ranks with torch's elastic launcher (what torchrun
     --standalone does); its exit code. A failing rank prints its own one-line error; the launcher
     adds one line naming the rank, instead of its report."""
-    import logging
-    import signal
-    import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -239,69 +244,49 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _launch(nproc, argv)
     try:
-        from . import pipeline
-        from .errors import DataError
-        from .errors import RewardError
-        from .errors import CheckpointError
-        from .errors import TrainingError
-        from .errors import ExportError
-        from safetensors import SafetensorError
-
+        job = _job(args.command)
         if args.command == "demo":
             out = args.out or next((o.split("=", 1)[1] for o in reversed(args.overrides)
                                     if o.startswith("train.output_dir=")), DEMO_DIR)
             overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={out}"]
             if args.steps is not None:
                 overrides.append(f"train.max_steps={args.steps}")
-            pipeline.run_demo(load_config(args.config, overrides))
-        elif args.command == "train":
-            pipeline.run_train(load_config(*_config_and_overrides(args)))
-        elif args.command in ("sft", "dpo", "rm", "distill"):
-            from . import offline
-            config_path, overrides = _config_and_overrides(args)
-            job = {"sft": offline.run_sft, "dpo": offline.run_dpo, "rm": offline.run_rm,
-                   "distill": offline.run_distill}[args.command]
-            job(load_config(config_path, overrides))
+            job.run(load_config(args.config, overrides))
+        elif args.command in ("train", "sft", "dpo", "rm", "distill"):
+            job.run(load_config(*_config_and_overrides(args)))
         elif args.command == "sample":
-            from .rejection import run_sample
             overrides = list(args.overrides) + ([f"sample.k={args.k}"] if args.k is not None else []) + \
                 (["sample.pairs=true"] if args.pairs else [])
-            run_sample(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), overrides), args.out)
+            job.run(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), overrides), args.out)
         elif args.command == "pipeline":
-            from .stages import run_pipeline
-            run_pipeline(args.config, list(args.overrides))
+            job.run(args.config, list(args.overrides))
         elif args.command == "eval":
-            pipeline.run_eval(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), args.overrides),
-                              out=args.out)
+            job.run(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), args.overrides),
+                         out=args.out)
         elif args.command == "serve":
-            from .serve.server import serve
             if args.overrides:
                 parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
-            serve(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
-                  max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
-                  api_key=args.api_key, max_rows_per_request=args.max_rows_per_request,
-                  max_waiting=args.max_waiting)
+            job.run(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
+                      max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
+                      api_key=args.api_key, max_rows_per_request=args.max_rows_per_request,
+                      max_waiting=args.max_waiting)
         elif args.command == "generate":
-            from .serve.generate import run_generate, sampling_settings
             if args.n < 1 or args.max_batch < 1:
                 parser.error("--n and --max-batch must be >= 1")
             if args.n > args.max_batch:   # a prompt's n rows decode together: more would overrun the batch
                 parser.error(f"--n {args.n} is more than --max-batch {args.max_batch}: raise --max-batch")
-            settings = sampling_settings([o for o in args.overrides if "." not in o.split("=", 1)[0]])
-            dotted = [o for o in args.overrides if "." in o.split("=", 1)[0]]
+            settings, dotted = job.split_overrides(args.overrides)
             if dotted and not args.score:
                 parser.error(f"{dotted[0]}: config overrides only matter with --score")
             score_cfg = load_config(_run_config(args.model, args.config), dotted) if args.score else None
-            run_generate(args.model, args.inp, args.out, n=args.n, settings=settings, max_batch=args.max_batch,
+            job.run(args.model, args.inp, args.out, n=args.n, settings=settings, max_batch=args.max_batch,
                          score_cfg=score_cfg, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
         elif args.command == "report":
-            from .monitor.report import write_report
-            print(write_report(args.run_dir))
+            print(job.run(args.run_dir))
         elif args.command == "tiny-model":
-            _tiny_model(args)
+            print(f"wrote {job.run(args.out, args.data, vocab_size=args.vocab_size)}")
         elif args.command == "export":
-            from .export import export
-            print(export(args.checkpoint, args.out_dir, merge=args.merge, dtype=args.dtype))
+            print(job.run(args.checkpoint, args.out_dir, merge=args.merge, dtype=args.dtype))
         return 0
     except ConfigError as e:
         if args.debug:
@@ -342,7 +327,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug or not _lost_a_rank(e):
             raise
         # the rank that failed says why, and the launcher names it; this one just says it stopped
-        import re
         why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])[:160]   # without gloo's source path
         _error(f"stopped: another rank left the run ({why})", name_rank=True)
         return LOST_A_RANK
@@ -366,7 +350,6 @@ def os_error_line(e: OSError) -> str:
 def _run_config(checkpoint: str, config: str | None) -> str | None:
     """The config for a job on a checkpoint: --config when given, else the config.yaml of the run the
     checkpoint belongs to (RUN_DIR/checkpoints/step_N), else None (the defaults)."""
-    from pathlib import Path
     if config is not None:
         return config
     p = Path(checkpoint)
@@ -379,7 +362,6 @@ def _run_config(checkpoint: str, config: str | None) -> str | None:
 
 def _config_problem(args, nproc: int) -> str | None:
     """What is wrong with the config of a `train`/`demo` run on `nproc` ranks, found before any rank starts."""
-    from . import distributed
     if args.command not in ("train", "demo"):
         return None
     try:
@@ -389,7 +371,7 @@ def _config_problem(args, nproc: int) -> str | None:
             cfg = load_config(args.config, list(args.overrides) + ([f"train.max_steps={args.steps}"] if args.steps else []))
     except ConfigError as e:
         return str(e)
-    return distributed.check_world(distributed.World(rank=0, size=nproc, local_rank=0, local_size=nproc),
+    return _distributed().check_world(_distributed().World(rank=0, size=nproc, local_rank=0, local_size=nproc),
                                    cfg.rollout.prompts_per_step)
 
 
@@ -422,7 +404,6 @@ def _error(msg: str, same_on_every_rank: bool = False, name_rank: bool = False) 
     (a config or data error); other errors name their rank (`name_rank`: rank 0 names itself too)."""
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1 and rank > 0 and same_on_every_rank:
-        import time
         time.sleep(2.0)   # rank 0 says it; leaving later, so that the launcher does not stop rank 0 before it has
         return
     if size > 1 and (rank > 0 or name_rank):

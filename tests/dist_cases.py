@@ -23,7 +23,8 @@ from grpolab.algorithms.losses import POLICY_LOSSES
 from grpolab.config import load_config
 from grpolab.models import GPT, GPTConfig, CharTokenizer
 from grpolab.rollout.batch import RolloutBatch
-from grpolab.rollout.engine import Generation, generate
+from grpolab.rollout.generation import Generation
+from grpolab.rollout.engine import generate
 from grpolab.train.grpo import GRPOTrainer
 
 P, G = 4, 4        # prompts per step and group size: 2 groups per rank with 2 ranks

@@ -17,7 +17,7 @@ from conftest import ROOT, run_cli
 from grpolab.config import load_config
 from grpolab.errors import ConfigError
 from grpolab.models import GPT, GPTConfig
-from grpolab.pipeline import write_run_config
+from grpolab.jobs.common import write_run_config
 from grpolab.models.checkpoint import (cut_logs, find_resume_checkpoint, load_model, load_training_state, verify_checkpoint)
 from grpolab.errors import CheckpointError
 from grpolab.train.resume_rules import unsafe_changes

@@ -181,7 +181,7 @@ def _sandboxes(tag: str) -> list[int]:
 
 # ---------------------------------------------------------------- GRPO on the code task
 def _code_run(out: Path) -> tuple[dict, list[dict]]:
-    from grpolab.pipeline import run_train
+    from grpolab.jobs.train import run as run_train
     cfg = load_config(ROOT / "configs" / "code_demo.yaml", [
         "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "sft.steps=20", "sft.bare_steps=5",
         "data.train_size=200", "data.test_size=6", "rollout.prompts_per_step=4", "rollout.num_generations=2",

@@ -111,7 +111,7 @@ def test_example_configs_load_and_validate():
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert {p.name for p in configs} >= {"demo.yaml", "code_demo.yaml", "gsm8k_tiny_hf.yaml", "gsm8k_qwen.yaml",
                                          "r1_pipeline.yaml"}
-    from grpolab.stages import stage_configs
+    from grpolab.jobs.pipeline import stage_configs
     for p in configs:
         if "stages:" in p.read_text():   # a pipeline: every stage's config is built and validated
             _, stages = stage_configs(p, [])

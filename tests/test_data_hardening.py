@@ -159,7 +159,7 @@ def test_dpo_with_every_prompt_longer_than_the_context_is_one_data_line(tmp_path
 
 
 def test_rm_holds_out_a_tenth_of_a_small_pair_file_by_default(tmp_path):
-    from grpolab.offline import rm_pairs
+    from grpolab.jobs.rm import rm_pairs
     f = tmp_path / "pairs.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(30)))
     train, held = rm_pairs(load_config(None, [f"rm.pairs={f}"]))

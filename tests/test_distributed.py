@@ -120,7 +120,8 @@ def _train_here(*overrides):
     from pathlib import Path
     from grpolab.config import load_config
     from grpolab.monitor.console import Console
-    from grpolab.pipeline import build_trainer, setup_torch
+    from grpolab.jobs.train import build_trainer
+    from grpolab.jobs.common import setup_torch
     cfg = load_config(None, list(overrides))
     setup_torch(cfg)
     build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()

@@ -6,7 +6,9 @@ import pytest
 
 from grpolab.config import load_config
 from grpolab.monitor.console import Console
-from grpolab.pipeline import build_trainer, load_data, load_policy, setup_torch
+from grpolab.jobs.train import build_trainer
+from grpolab.jobs.inputs import load_data, load_policy
+from grpolab.jobs.common import setup_torch
 from grpolab.train.grpo import GRPOTrainer
 from grpolab.train.schedule import lr_factor
 from conftest import run_cli

@@ -85,7 +85,8 @@ def _train_in_process(*overrides):
     """`grpolab train configs/gsm8k_tiny_hf.yaml OVERRIDES` in this process (as the CLI builds it)."""
     from grpolab.config import load_config
     from grpolab.monitor.console import Console
-    from grpolab.pipeline import build_trainer, setup_torch
+    from grpolab.jobs.train import build_trainer
+    from grpolab.jobs.common import setup_torch
     cfg = load_config(str(ROOT / "configs" / "gsm8k_tiny_hf.yaml"), list(overrides))
     setup_torch(cfg)
     build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()

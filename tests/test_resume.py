@@ -124,7 +124,8 @@ def _train(out, args):
     from pathlib import Path
     from grpolab.config import load_config
     from grpolab.monitor.console import Console
-    from grpolab.pipeline import build_trainer, setup_torch
+    from grpolab.jobs.train import build_trainer
+    from grpolab.jobs.common import setup_torch
     cfg = load_config(None, TINY + [f"train.output_dir={out}", *args])
     setup_torch(cfg)
     trainer = build_trainer(cfg, Path(out), Console(quiet=True))

@@ -380,7 +380,7 @@ def test_dataset_column_named_like_an_argument_is_an_error():
 
 def test_rows_get_a_data_source_unless_they_have_one(tmp_path, gsm8k_dir):
     from grpolab.config import load_config
-    from grpolab.pipeline import load_data
+    from grpolab.jobs.inputs import load_data
     path = _write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "answer": "1"},
                                                   {"prompt": "b", "answer": "2", "data_source": "mine"}])
     for overrides, want in [(["data.train_size=5", "data.test_size=3"], ["grpolab/arithmetic"]),

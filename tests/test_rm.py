@@ -61,7 +61,7 @@ def _lines(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def builtin_rm(tmp_path_factory):
-    from grpolab.offline import run_rm
+    from grpolab.jobs.rm import run as run_rm
     d = tmp_path_factory.mktemp("rm")
     pairs = _write(d / "pairs.jsonl", _pairs(80, 0))
     out = d / "run"
@@ -101,7 +101,7 @@ def test_builtin_reward_model_learns_the_heldout_preference_and_rm_scores_like_a
 
 
 def test_reward_model_resume_matches_the_uninterrupted_run(builtin_rm, tmp_path):
-    from grpolab.offline import run_rm
+    from grpolab.jobs.rm import run as run_rm
     out, pairs, _ = builtin_rm
     run_rm(load_config(None, [*TINY, f"rm.pairs={pairs}", "rm.steps=30", f"train.output_dir={tmp_path}",
                               f"train.resume={out / 'checkpoints' / 'step_15'}"]))
@@ -125,7 +125,7 @@ def test_hf_lora_reward_model_saves_a_plain_classifier_and_resumes_exactly(tmp_p
     from transformers import AutoModelForSequenceClassification
 
     from grpolab.models.tiny_hf import save_tiny_model
-    from grpolab.offline import run_rm
+    from grpolab.jobs.rm import run as run_rm
     pairs = _pairs(64, 1)
     base = save_tiny_model(tmp_path / "llama", [p["prompt"] + p["chosen"] + p["rejected"] for p in pairs],
                            vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
@@ -179,7 +179,7 @@ def test_a_missing_starting_model_is_one_line(tmp_path, capsys):
 
 def test_builtin_lora_reward_model_trains_adapters_and_head_only(tmp_path):
     from grpolab.models import GPT, CharTokenizer, GPTConfig
-    from grpolab.offline import run_rm
+    from grpolab.jobs.rm import run as run_rm
     from grpolab.models.checkpoint import save_checkpoint
     tok = CharTokenizer()
     torch.manual_seed(0)
@@ -207,7 +207,7 @@ def test_a_dpo_checkpoint_scores_as_its_implicit_reward(tmp_path):
     from safetensors.torch import load_model as load_weights
 
     from grpolab.models import CharTokenizer
-    from grpolab.offline import run_dpo
+    from grpolab.jobs.dpo import run as run_dpo
     from grpolab.models.checkpoint import load_model
     pairs = _write(tmp_path / "pairs.jsonl", _pairs(32, 4))
     run_dpo(load_config(None, [*TINY, f"dpo.pairs={pairs}", "dpo.steps=4", "dpo.batch_size=8", "dpo.lr=3e-3",

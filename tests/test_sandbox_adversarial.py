@@ -40,7 +40,8 @@ import pytest
 
 from grpolab.config import load_config
 from grpolab.monitor.console import Console
-from grpolab.pipeline import build_trainer, setup_torch, write_run_config
+from grpolab.jobs.train import build_trainer
+from grpolab.jobs.common import setup_torch, write_run_config
 from grpolab.rewards import code as code_reward
 from grpolab.sandbox import Limits, run_program
 

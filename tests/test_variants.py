@@ -10,7 +10,8 @@ from grpolab.algorithms.presets import PRESETS
 from grpolab.config import load_config
 from grpolab.errors import ConfigError
 from grpolab.monitor.console import Console
-from grpolab.pipeline import load_data, load_policy, setup_torch
+from grpolab.jobs.inputs import load_data, load_policy
+from grpolab.jobs.common import setup_torch
 from grpolab.train.grpo import GRPOTrainer
 from test_grpo import EASY, make_trainer
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from ..errors import ConfigError
+from .blocks import blocks
 
 
 def _peft():
@@ -30,7 +31,6 @@ def _peft():
 def block_linear_names(model: nn.Module) -> list[str]:
     """The default targets: the names of every nn.Linear inside the transformer blocks (not the
     embeddings or the head), e.g. q_proj, k_proj, ..., down_proj or qkv, proj, fc, fc_out."""
-    from .blocks import blocks
     names = {name.rsplit(".", 1)[-1] for b in blocks(model) for name, m in b.named_modules()
              if isinstance(m, nn.Linear)}
     return sorted(names)

@@ -24,6 +24,10 @@ from torch import nn
 from ..utils.padding import pad_sequences
 from .gpt import GPT, GPTConfig
 from .tokenizer import CharTokenizer
+from .checkpoint import checkpoint_job, load_model, load_ref_weights
+from .lora import adapters_off, add_lora, has_lora
+from ..data.supervised import as_sft_row, collate, encode
+from .logprobs import summed_logprobs
 
 BUILTIN_RM = "builtin-rm"
 
@@ -56,7 +60,6 @@ class BuiltinRewardModel(nn.Module):
         return self.score(last.to(self.score.weight.dtype)).squeeze(-1).float()
 
     def add_lora(self, settings: dict) -> None:
-        from .lora import add_lora
         add_lora(self.backbone, settings)      # freezes the backbone, adapters trainable
         self.score.requires_grad_(True)        # the head is new: always trained
         self.lora = dict(settings)
@@ -205,13 +208,9 @@ class ImplicitRewardModel(nn.Module):
 
     def ids(self, prompt, completion: str):
         """The pair side as `grpolab dpo` encodes it: an Example (ids, loss mask on the completion)."""
-        from ..data.supervised import as_sft_row, encode
         return encode(self.tok, as_sft_row(prompt, completion))
 
     def forward(self, batch: list) -> torch.Tensor:
-        from ..data.supervised import collate
-        from .logprobs import summed_logprobs
-        from .lora import adapters_off
         dev = next(self.policy.parameters()).device
         b = {k: v.to(dev) for k, v in collate(batch, self.tok.pad_id).items()}
         logp = summed_logprobs(self.policy, b)
@@ -227,8 +226,6 @@ def load_implicit_rm(path: str | Path, device: str = "cpu") -> ImplicitRewardMod
     """The implicit reward model of a `grpolab dpo` checkpoint; beta from its run's config.yaml."""
     import yaml
 
-    from .checkpoint import load_model, load_ref_weights
-    from .lora import has_lora
     p = Path(path)
     policy, tok = load_model(p, device=device)
     ref = None
@@ -241,5 +238,4 @@ def load_implicit_rm(path: str | Path, device: str = "cpu") -> ImplicitRewardMod
 
 
 def is_dpo_checkpoint(path: str | Path) -> bool:
-    from .checkpoint import checkpoint_job
     return checkpoint_job(path) == "dpo"

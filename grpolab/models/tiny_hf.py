@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from ..data.tasks import arithmetic
 
 # ChatML-style template: enough to exercise conversational prompts end to end. With `tools=` it lists
 # them in a system turn and renders `tool` messages Qwen2.5's way (a user turn of <tool_response>s), so
@@ -29,7 +30,6 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 
 def _default_texts() -> list[str]:
-    from ..data.tasks import arithmetic
     rows = arithmetic.generate("train", 2000, seed=0)
     return [r["prompt"] + "\n" + r["answer"] for r in rows]
 

@@ -28,6 +28,10 @@ from . import length as _length
 from .length import make_length_reward
 from .accuracy import math_accuracy
 from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
+from .custom import load_reward, parse_call
+from .model import reward_model
+from .judge import get_judge
+from .verl_style import verl_reward
 
 RewardFn = Callable[..., list]
 
@@ -70,16 +74,12 @@ def get_reward(spec: str) -> RewardFn:
     if spec in REWARDS:
         return REWARDS[spec]
     if spec.startswith("rm:"):
-        from .model import reward_model
         return reward_model(spec[len("rm:"):])
     if spec.startswith("judge:"):
-        from .judge import get_judge
         return get_judge(spec)
     if spec.startswith("verl:"):
-        from .verl_style import verl_reward
         return verl_reward(spec)
     if ":" in spec:
-        from .custom import load_reward
         return load_reward(spec)
     raise UnknownRewardError(
         f"unknown reward {spec!r}; known rewards: {', '.join(sorted(REWARDS))}; or give "
@@ -112,7 +112,6 @@ def reward_name(spec: str) -> str:
 
 def _spec_parts(spec: str) -> tuple[str, str]:
     """(module or file stem, function) of a 'x:fn', 'x:fn(...)' or 'verl:x:fn' spec."""
-    from .custom import parse_call
     base = spec[len("verl:"):] if spec.startswith("verl:") else spec
     try:
         base = parse_call(base)[0]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .calling import completion_text
 from ..errors import RewardError
+from .rubrics import load_rubrics
 
 PREFIX = "judge:"
 
@@ -132,7 +133,6 @@ class Judge:
         self.cache = AnswerCache(cache_dir / f"{name}.jsonl" if jc.cache and cache_dir is not None else None)
         self.rubrics = None
         if jc.rubrics:
-            from .rubrics import load_rubrics
             self.rubrics = load_rubrics(jc.rubrics, f"reward.judges.{name}.rubrics")
         # a group's G samples share their question: retrieve its examples once
         self.examples = functools.lru_cache(maxsize=4096)(self._examples)

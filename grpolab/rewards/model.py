@@ -18,6 +18,7 @@ import torch
 
 from .calling import completion_texts
 from ..errors import RewardError
+from ..models.reward_head import (BUILTIN_RM, _architectures, checkpoint_kind, is_dpo_checkpoint, load_builtin_rm, load_hf_rm, load_implicit_rm)
 
 PREFIX = "rm:"
 
@@ -33,7 +34,6 @@ def load_reward_model(source: str, device: str | None = None):
     """A reward model (models/reward_head.py) in eval mode on `device`, loaded once per (source, device):
     a `grpolab rm` checkpoint of the built-in GPT, a `grpolab dpo` checkpoint (its implicit reward), or
     a Hugging Face sequence classifier."""
-    from ..models.reward_head import BUILTIN_RM, checkpoint_kind, is_dpo_checkpoint, load_builtin_rm, load_hf_rm
 
     spec = PREFIX + source
     if not source.strip():
@@ -47,9 +47,7 @@ def load_reward_model(source: str, device: str | None = None):
     if kind == BUILTIN_RM:
         return load_builtin_rm(source, device)
     if is_dpo_checkpoint(source):   # a DPO policy is a reward model too: its implicit reward
-        from ..models.reward_head import load_implicit_rm
         return load_implicit_rm(source, device)
-    from ..models.reward_head import _architectures
     arch = _architectures(source) if kind == "hf" else []
     if kind not in (None, "hf") or (arch and not any("ForSequenceClassification" in a for a in arch)):
         what = kind if kind not in (None, "hf") else ", ".join(arch)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..utils.padding import pad_to_width
-from .engine import Generation
+from .generation import Generation
 
 
 @dataclass

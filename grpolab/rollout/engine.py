@@ -9,49 +9,14 @@ groups: a quarter of the batch at a time), so later steps compute only the rows 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
-from ..utils.padding import pad_sequences
+from .core import PREFILL_CHUNK, check_finite, prefill
+from .generation import Generation
 from .keys import token_uniforms
 from .sampling import sample_next
-from ..errors import NonFiniteLogits
-
-
-# prompts are prefilled this many positions at a time: the prefill's attention scores and activations
-# then stay (rows x PREFILL_CHUNK x ...) however long the prompts are
-PREFILL_CHUNK = 512
-
-
-
-@dataclass
-class Generation:
-    prompt_ids: torch.Tensor        # (B, P) left-padded with pad_id, B = num_prompts * G
-    prompt_mask: torch.Tensor       # (B, P) bool, True at real prompt tokens
-    completion_ids: torch.Tensor    # (B, C) right-padded with pad_id
-    completion_mask: torch.Tensor   # (B, C) bool, True up to and including the stop token
-    sampler_logprobs: torch.Tensor  # (B, C) log-prob of each sampled token (0 where masked)
-    truncated: torch.Tensor         # (B,) bool, True when no stop token within max_new_tokens
-    tool_mask: torch.Tensor | None = None  # (B, C) bool, True at tokens tools wrote (context: no loss, no KL)
-    tool_calls: list | None = None  # (B,) with tools: each row's calls, [{name, arguments, output, error}]
-
-    def __post_init__(self) -> None:
-        if self.tool_mask is None:
-            self.tool_mask = torch.zeros_like(self.completion_mask)
-
-    @property
-    def context_mask(self) -> torch.Tensor:
-        """(B, C) bool: every real completion token, the tools' included (what the model attends to)."""
-        return self.completion_mask | self.tool_mask
-
-    def id_lists(self) -> list[list[int]]:
-        """Each completion's token ids, stop token included, no padding; with tools, the tools' tokens
-        too, in place (what rewards and decoded texts see)."""
-        return [ids[m].tolist() for ids, m in zip(self.completion_ids.cpu(), self.context_mask.cpu())]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}
+from .tool_decode import decode_with_tools
 
 
 def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
@@ -78,9 +43,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
         raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {num_generations} generations")
     with torch.inference_mode():
         if tools is not None:
-            from .tool_decode import decode_with_tools
             out = decode_with_tools(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
-                                    stop_ids, pad_id, generator, keys, tools)
+                                    stop_ids, pad_id, generator, keys, tools, prefill_chunk)
         else:
             out = _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p,
                           stop_ids, pad_id, generator, keys, logits_hook, prefill_chunk)
@@ -93,16 +57,8 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
     device = next(model.parameters()).device
     G = num_generations
     keys = keys.to(device) if keys is not None else None
-    p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
-    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
-    P = p_ids.size(1)
-    cache = model.new_cache(len(prompts), P + max_new_tokens)
-    step = prefill_chunk if prefill_chunk > 0 else P
-    for i in range(0, P, step):   # in chunks: long prompts never build (rows x P x P) attention scores
-        logits = model(p_ids[:, i:i + step], key_valid=p_mask[:, i:i + step], cache=cache, logits_to_keep=1)[:, -1]
-    if G > 1:   # the lean HF path may keep one copy of each prompt's keys and values for its G rows
-        cache = cache.share_prompt(G) if hasattr(cache, "share_prompt") else cache.repeat_interleave(G)
-    logits = logits.repeat_interleave(G, dim=0)
+    pre = prefill(model, prompts, G, max_new_tokens, pad_id, prefill_chunk)
+    p_ids, p_mask, cache, logits = pre.prompt_ids, pre.prompt_mask, pre.cache, pre.logits
     B = logits.size(0)
 
     # filled with padding: rows that leave the batch early keep it after their stop token
@@ -143,8 +99,7 @@ def _decode(model, prompts, num_generations, max_new_tokens, temperature, top_k,
             break
         logits = model(tok[:, None], cache=cache)[:, -1]
     out, logps = out[:, :steps], logps[:, :steps]
-    if bool(logps.isnan().any()):   # checked once per rollout, not per token: a per-step check would sync
-        raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")
+    check_finite(logps, torch.ones_like(logps, dtype=torch.bool))
     is_stop = torch.isin(out, stops)
     # a token counts when no stop token came before it (the stop token itself counts)
     mask = (is_stop.cumsum(-1) - is_stop.long()) == 0

@@ -1,6 +1,7 @@
 """Decoding with tool calls inside the rollout.
 
-All rows decode together, one position per forward pass, as in `engine._decode`. When a row
+Prompts are prefilled as in `engine._decode` (`core.prefill`: in chunks, a group's prompt kept once
+where the cache can). All rows decode together, one position per forward pass. When a row
 samples the end of a call, the calls of every row that ended one at that step are parsed and run
 in parallel (`tools.ToolRunner`), and each row's result tokens are queued. A row with queued tokens
 is fed them one per step through the same forward passes the other rows decode with: its sampled
@@ -21,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..utils.padding import pad_sequences
-from .engine import Generation
-from ..errors import NonFiniteLogits
+from .core import PREFILL_CHUNK, check_finite, prefill
+from .generation import Generation
 from .keys import token_uniforms
 from .sampling import sample_next
-from .tools import CallRecord, ToolRunner
+from .tool_formats import tool_format
+from .tools import CallRecord, ToolRunner, load_tools
 
 
 @dataclass
@@ -45,8 +46,6 @@ def build_tool_use(rollout_cfg, tokenizer, model_name: str = "the model") -> Too
     """The configured tools (rollout.tools), or None when there are none."""
     if not rollout_cfg.tools:
         return None
-    from .tool_formats import tool_format
-    from .tools import load_tools
     tools = load_tools(list(rollout_cfg.tools))
     fmt = tool_format(tokenizer, [t.schema for t in tools.values()], model_name)
     runner = ToolRunner(tools, timeout=rollout_cfg.tool_timeout, max_output_chars=rollout_cfg.tool_output_max_chars)
@@ -67,17 +66,13 @@ def tool_metrics(calls: list[list[dict]], names: list[str], gather=lambda t: t) 
 
 
 def decode_with_tools(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids,
-                      pad_id, generator, keys, tools: ToolUse) -> Generation:
+                      pad_id, generator, keys, tools: ToolUse, prefill_chunk: int = PREFILL_CHUNK) -> Generation:
     device = next(model.parameters()).device
     G = num_generations
     keys = keys.to(device) if keys is not None else None
-    p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
-    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     L = tools.max_completion_tokens or max_new_tokens   # completion positions: sampled + tool tokens
-    cache = model.new_cache(len(prompts), p_ids.size(1) + L)
-    logits = model(p_ids, key_valid=p_mask, cache=cache, logits_to_keep=1)[:, -1]
-    cache = cache.repeat_interleave(G) if G > 1 else cache
-    logits = logits.repeat_interleave(G, dim=0)
+    pre = prefill(model, prompts, G, L, pad_id, prefill_chunk)
+    p_ids, p_mask, cache, logits = pre.prompt_ids, pre.prompt_mask, pre.cache, pre.logits
     B = logits.size(0)
 
     out = torch.full((B, L), pad_id, dtype=torch.long, device=device)
@@ -133,8 +128,7 @@ def decode_with_tools(model, prompts, num_generations, max_new_tokens, temperatu
     out, logps, forced = out[:, :steps], logps[:, :steps], forced[:, :steps]
     valid = torch.arange(steps, device=device)[None, :] < end[:, None]
     sampled = valid & ~forced
-    if bool((logps.isnan() & sampled).any()):
-        raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")
+    check_finite(logps, sampled)
     return Generation(
         prompt_ids=p_ids.repeat_interleave(G, dim=0), prompt_mask=p_mask.repeat_interleave(G, dim=0),
         completion_ids=out.masked_fill(~valid, pad_id), completion_mask=sampled,

@@ -19,7 +19,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import ConfigError, ToolCallError
+from ..errors import ConfigError, RewardError, ToolCallError
+from ..rewards.code import SETTINGS
+from ..sandbox.runner import run_program
+from ..rewards.custom import load_function
 
 
 
@@ -71,8 +74,6 @@ def python(code: str) -> str:
     Args:
         code: the program; use print() to show results.
     """
-    from ..rewards.code import SETTINGS
-    from ..sandbox.runner import run_program
     v = run_program(str(code), {"mode": "output"}, SETTINGS.limits, unsafe=SETTINGS.unsafe)
     if v.status == "timeout":
         raise ToolCallError(f"the program ran longer than {SETTINGS.limits.timeout}s")
@@ -112,8 +113,6 @@ def load_tool(spec: str) -> Tool:
     if spec in BUILTIN:
         fn = BUILTIN[spec]
     elif ":" in spec:
-        from ..rewards.custom import load_function
-        from ..errors import RewardError
         try:
             fn = load_function(spec)
         except RewardError as e:

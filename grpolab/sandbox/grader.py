@@ -48,7 +48,7 @@ class RemoteError(Exception):
     """The program raised an exception that is not a built-in one."""
 
 
-class Judge:
+class Grader:
     """Judges one program (`job`: program, tests, limits); `run()` -> its report."""
 
     def __init__(self, job: dict, worker_src: str, isolated: bool) -> None:
@@ -350,14 +350,14 @@ def _clear(path: str) -> None:
 
 
 def main(batch: dict, isolated: bool, worker_src: str, report_fd: int) -> None:
-    """Judge batch["programs"] one after another; one JSON line per program on `report_fd` as it
+    """Grade batch["programs"] one after another; one JSON line per program on `report_fd` as it
     finishes. Between programs every process the last one left is killed and the work dir is emptied;
     when it cannot be emptied the grader stops, and the host runs the rest in a fresh sandbox. (In the
     sandbox, launch.py judges each program in namespaces of its own instead: see isolate.confine.)"""
     limits = {k: v for k, v in batch.items() if k != "programs"}
     for i, item in enumerate(batch["programs"]):
         try:
-            report = Judge({**limits, **item}, worker_src, isolated).run()
+            report = Grader({**limits, **item}, worker_src, isolated).run()
         except Exception as e:  # noqa: BLE001 - a malformed test is this program's error, not the batch's
             report = _report(0, 1, "error", f"the grader failed: {type(e).__name__}: {str(e)[:300]}")
         os.write(report_fd, (json.dumps({"i": i, "report": report}) + "\n").encode())

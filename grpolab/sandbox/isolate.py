@@ -163,7 +163,7 @@ def _build_root(base: str, sources: list[tuple[str, int | str]]) -> None:
 def ipc_ceilings(shm_mb: int) -> dict[str, str]:
     """/proc/sys path -> value: the ceilings of a program's IPC namespace. SysV shared memory in all:
     shm_mb (shmall counts pages); message queues: 16 of 16 KiB; semaphores: 32 sets of 32; POSIX
-    message queues: 4 of 10 x 8 KiB (and RLIMIT_MSGQUEUE in the judge)."""
+    message queues: 4 of 10 x 8 KiB (and RLIMIT_MSGQUEUE in the grader)."""
     page = os.sysconf("SC_PAGE_SIZE")
     out = {"kernel/shmmax": shm_mb << 20, "kernel/shmall": (shm_mb << 20) // page, "kernel/shmmni": 32,
            "kernel/msgmni": 16, "kernel/msgmax": 8192, "kernel/msgmnb": 16384, "kernel/sem": "32\t1024\t32\t32",

@@ -2,7 +2,7 @@
 
 A fresh interpreter, standard library only, single-threaded (as unshare(CLONE_NEWUSER) needs).
 It reads the batch and the worker's source, enters the sandbox (unless the batch says not to) and
-runs the judge, whose reports (one JSON line per program) are the only thing written to stdout.
+runs the grader, whose reports (one JSON line per program) are the only thing written to stdout.
 It dies with the host process (PR_SET_PDEATHSIG), and the sandbox with it.
 """
 
@@ -14,26 +14,26 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import isolate  # noqa: E402
-import judge  # noqa: E402
+import grader  # noqa: E402
 
 JUDGE_MEMORY = 2 << 30
 
 
-def judge_each_confined(job: dict, worker: str, report_fd: int) -> None:
+def grade_each_confined(job: dict, worker: str, report_fd: int) -> None:
     """In the sandbox's PID 1: each program judged by a child confined in namespaces of its own
     (isolate.confine), one after another; its report comes back over a pipe and goes out under its
-    index. A child that gives none (the judge died) gets 'error'; the next program is unaffected."""
+    index. A child that gives none (the grader died) gets 'error'; the next program is unaffected."""
     limits = {k: v for k, v in job.items() if k != "programs"}
     for i, item in enumerate(job["programs"]):
         r, w = os.pipe()
         pid = isolate.confine(w, job["tmp_mb"], job["tmp_inodes"], job["shm_mb"])
-        if pid == 0:   # the program's judge, confined
+        if pid == 0:   # the program's grader, confined
             os.close(r)
             os.close(report_fd)
             try:
-                report = judge.Judge({**limits, **item}, worker, True).run()
+                report = grader.Grader({**limits, **item}, worker, True).run()
             except Exception as e:  # noqa: BLE001 - a malformed test is this program's error, not the batch's
-                report = judge._report(0, 1, "error", f"the judge failed: {type(e).__name__}: {str(e)[:300]}")
+                report = grader._report(0, 1, "error", f"the grader failed: {type(e).__name__}: {str(e)[:300]}")
             data = json.dumps(report).encode()
             while data:
                 data = data[os.write(w, data):]
@@ -57,14 +57,14 @@ def judge_each_confined(job: dict, worker: str, report_fd: int) -> None:
                 raise ValueError(report)
         except ValueError:
             code = os.waitstatus_to_exitcode(status)
-            report = judge._report(0, 1, "error", f"the judge gave no report (exit status {code})")
+            report = grader._report(0, 1, "error", f"the grader gave no report (exit status {code})")
         os.write(report_fd, (json.dumps({"i": i, "report": report}) + "\n").encode())
 
 
 def main() -> None:
     isolate.die_with_parent(int(sys.argv[1]))   # the trainer dies -> this launcher, then the sandbox under it
     job = json.loads(sys.stdin.buffer.read())
-    worker = judge.worker_source()
+    worker = grader.worker_source()
     sys.stdin.close()
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)   # fd 0 again, /dev/null
@@ -79,14 +79,14 @@ def main() -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)
-    # the judge's own memory is bounded too (it decodes what the program sends); soft limit only, so
+    # the grader's own memory is bounded too (it decodes what the program sends); soft limit only, so
     # the worker can still be given reward.code_exec.memory_mb
     limit = max(JUDGE_MEMORY, (job["memory_mb"] + 1024) << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     if job["isolate"]:
-        judge_each_confined(job, worker, report)
-    else:   # one after another in the host's work dir, emptied between two (see judge.main)
-        judge.main(job, False, worker, report)
+        grade_each_confined(job, worker, report)
+    else:   # one after another in the host's work dir, emptied between two (see grader.main)
+        grader.main(job, False, worker, report)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 A batch of programs gets a fresh `launch.py` process that enters its own namespaces (`isolate`:
 user, mount, PID, network, IPC, UTS) and judges each program in PID, IPC and mount namespaces of
-its own inside them (`isolate.confine`, `judge`); this side only sends the job, waits (never past
-the job's timeouts plus a grace period, then kills the whole process group) and reads the judge's
+its own inside them (`isolate.confine`, `grader`); this side only sends the job, waits (never past
+the job's timeouts plus a grace period, then kills the whole process group) and reads the grader's
 one-line reports. Nothing a program leaves behind (processes, files in /tmp, SysV shared memory,
 message queues) outlives it or reaches the next program.
 """

@@ -24,6 +24,9 @@ from ..errors import DataError
 from ..monitor.console import Console, fmt_duration
 from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
+from .engine import load_engine
+from ..rewards.combine import score
+from ..rewards import combine, judge
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 OUTPUT_KEYS = ("index", "completions", "finish_reasons", "completion_tokens", "rewards", "scores")
@@ -110,7 +113,6 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
                  max_model_len: int | None = None, console: Console | None = None) -> dict:
     """Generate for every row of `in_path` not yet in `out_path`; returns counts and throughput.
     `score_cfg`: a Config whose reward functions score the completions (None: no scoring)."""
-    from .server import load_engine
 
     console = console or Console()
     settings = dict(settings or {})
@@ -126,10 +128,8 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
         raise DataError(f"{out_path} holds row {max(done)}, but {in_path} has {len(rows)} rows: "
                         f"is it the output of another input?")
     if score_cfg is not None:
-        from ..rewards import combine
         columns = sorted({k for r in rows for k in r if k != "prompt"})
         if score_cfg.reward.judges:   # judge answers cached beside OUT
-            from ..rewards import judge
             judge.configure(score_cfg.reward, Path(out_path).parent / "judge_cache")
         combine.configure(score_cfg.reward)   # reward.timeout
         combine.check_signatures(list(score_cfg.reward.functions), columns, rows=rows, source=in_path)
@@ -207,7 +207,6 @@ def _decode_and_write(batcher, jobs: dict, rows: list[dict], finished: list[int]
 
 
 def _score(cfg, row: dict, completions: list[str]) -> dict:
-    from ..rewards.combine import score
     k = len(completions)
     columns = {c: [row[c]] * k for c in row if c != "prompt"}
     total, per = score(list(cfg.reward.functions), cfg.reward.weights, [row["prompt"]] * k, completions, columns)

@@ -11,47 +11,12 @@ import ipaddress
 import socket
 import sys
 
-import torch
 
 from ..errors import ConfigError
-from .batcher import Batcher
+from .api import MAX_ROWS_PER_REQUEST, MAX_WAITING, Server, create_app
+from .engine import load_engine
 
 MAX_PORT = 65535
-
-
-def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | None = None,
-                dtype: str = "float32", device: str = "cpu") -> tuple[Batcher, object, int]:
-    """(batcher, tokenizer, context length) for a checkpoint or model directory."""
-    from ..models.hf import HFPolicy
-    from ..models.lean_decode import LeanDecoder, unsupported_reason
-    from ..models.lora import has_lora
-    from ..models.checkpoint import load_model
-
-    if max_batch < 1:
-        raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
-    model, tok = load_model(model_path, dtype=dtype, device=device)
-    model.eval()
-    if isinstance(model, HFPolicy) and has_lora(model) and hasattr(model.hf, "merge_and_unload"):   # never trains: merged, the lean path applies
-        model.hf = model.hf.merge_and_unload()
-    if isinstance(model, HFPolicy):
-        limit = getattr(model.config, "max_position_embeddings", None) or 2048
-    else:
-        limit = model.config.block_size
-    if max_model_len is not None and not 1 < max_model_len <= limit:
-        raise ConfigError(f"--max-model-len must be between 2 and the model's {limit} positions, got {max_model_len}")
-    context = max_model_len or limit
-    decoder = None
-    if isinstance(model, HFPolicy):
-        if unsupported_reason(model.hf, context) is None:
-            with torch.inference_mode():   # fused weights, built once: the served model never changes
-                decoder = LeanDecoder(model.hf, context)
-        else:   # HF's own forward and DynamicCache: rows move between columns only in plain layers
-            from transformers import DynamicCache
-            from transformers.cache_utils import DynamicLayer
-            if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
-                raise ConfigError(f"{model_path}: {model.config.model_type} uses sliding-window (or other special) "
-                                  f"cache layers, which continuous batching does not support yet")
-    return Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder), tok, context
 
 
 def is_loopback(host: str) -> bool:
@@ -91,7 +56,6 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
     try:
         import uvicorn
 
-        from .api import MAX_ROWS_PER_REQUEST, MAX_WAITING, Server, create_app
     except ImportError:
         raise ImportError("grpolab serve needs FastAPI and uvicorn: pip install 'grpolab[serve]'") from None
     max_rows_per_request = MAX_ROWS_PER_REQUEST if max_rows_per_request is None else max_rows_per_request

@@ -12,13 +12,13 @@ from safetensors.torch import save_model
 
 from ..algorithms.losses import explained_variance, value_loss
 from ..models.value_head import Critic
+from ..models.checkpoint import _load_plain, load_model
 
 
 def build_critic(cfg, policy) -> Critic:
     """critic.name_or_path (a checkpoint or HF model dir), else a copy of the starting policy (its
     LoRA adapters, if any, become ordinary trained weights), plus a zero-initialised value head."""
     if cfg.critic.name_or_path:
-        from ..models.checkpoint import load_model
         backbone, _ = load_model(cfg.critic.name_or_path, dtype=cfg.model.dtype,
                                  device=str(next(policy.parameters()).device))
     else:
@@ -80,7 +80,6 @@ class CriticTrainer:
                    path / "critic_optimizer.pt")
 
     def load(self, path: Path) -> None:
-        from ..models.checkpoint import _load_plain
         load_safetensors_model(self.model, str(path / "critic.safetensors"))
         state = _load_plain(path / "critic_optimizer.pt")
         self.opt.load_state_dict(state["optimizer"])

@@ -12,6 +12,7 @@ from ..rewards import get_reward
 from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
 from ..rollout.engine import generate
 from ..rollout.keys import completion_keys
+from ..data.math_answers import parse_completion
 
 
 
@@ -26,7 +27,6 @@ def answer_key(completion: str, reward: str) -> str | None:
     plain = plain_hash_answer(completion)
     if plain is not None:   # math_accuracy decides plain numbers exactly, as the reader does
         return format_number(plain)
-    from ..data.math_answers import parse_completion
     try:
         parsed = parse_completion(completion)
     except Exception:  # noqa: BLE001 - an unparseable sample casts no vote

@@ -15,10 +15,7 @@ import contextlib
 import copy
 import json
 import math
-import os
 import random
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -55,6 +52,7 @@ from ..models.logprobs import completion_logprobs
 from .master import MasterWeights
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
+from .stop import StopFlag
 
 
 
@@ -662,7 +660,7 @@ class GRPOTrainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
                 (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
-        stop = _StopFlag(announce=main)
+        stop = StopFlag(announce=main)
         # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
         trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
             if main else contextlib.nullcontext()
@@ -813,44 +811,3 @@ class GRPOTrainer:
         if self.world.main:   # rank 0 owns the files
             cut_logs(self.run_dir, self.step)
             drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)
-
-
-class _StopFlag:
-    """Within `with`: SIGINT/SIGTERM set `.signal` instead of killing the step half-way. The first one is
-    acknowledged at once (on stderr, by the process that `announce`s: rank 0); a second one raises
-    KeyboardInterrupt wherever the step is (a reward function that does not return included)."""
-
-    ACK = "stopping after this step and saving; press Ctrl-C again to stop now"
-
-    def __init__(self, announce: bool = True) -> None:
-        self.signal: str | None = None
-        self.announce = announce
-        self._old: dict = {}
-        self._held = False
-
-    def _handle(self, signum, _frame) -> None:
-        if self._held:                # saving the final checkpoint: let it finish
-            return
-        name = signal.Signals(signum).name
-        if self.signal is not None:   # a second Ctrl-C: stop now
-            raise KeyboardInterrupt(f"stopped at once by a second {name}; the step in progress is not saved "
-                                    f"(the last checkpoint is intact)")
-        self.signal = name
-        if self.announce:   # os.write: a print could land inside another print of the main thread
-            with contextlib.suppress(OSError):
-                os.write(2, f"\ngrpolab: {name}: {self.ACK}\n".encode())
-
-    def hold(self) -> None:
-        """From now on further signals are ignored (the stop is under way)."""
-        self._held = True
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old = {}

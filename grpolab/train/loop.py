@@ -27,6 +27,8 @@ from .finite_step import count_nonfinite, overflowed, restore, snapshot
 from ..models.checkpoint import cut_logs, drop_final_eval, load_training_state, prune_checkpoints, save_checkpoint
 from .master import MasterWeights
 from .schedule import lr_factor
+from .stop import StopFlag
+from ..errors import TrainingError
 
 BETAS = (0.9, 0.95)   # AdamW betas of the offline stages (the warm start's since the first release)
 
@@ -165,7 +167,6 @@ class OfflineTrainer:
             if count_nonfinite(params) + (count_nonfinite(
                     p for p in self.model.parameters() if p.requires_grad) if self.master else 0):
                 if saved is None:
-                    from ..errors import TrainingError
                     raise TrainingError(
                         f"{self.job} step {self.step + 1}: {overflowed(loss_sum, norm, lr)}; stopped before saving "
                         f"them (the last checkpoint is kept). Lower {self.job}.lr, or set "
@@ -181,7 +182,6 @@ class OfflineTrainer:
             msg = (f"{self.job} step {self.step + 1}: {what} ({self.bad_steps} so far, "
                    f"train.max_bad_steps={self.cfg.train.max_bad_steps})")
             if self.bad_steps > self.cfg.train.max_bad_steps:
-                from ..errors import TrainingError
                 raise TrainingError(msg + f"; lower {self.job}.lr or check the data")
             if self.console is not None:
                 self.console.warn(msg)
@@ -206,7 +206,6 @@ class OfflineTrainer:
         with the last step's row and kept in `self.final_eval` (None when this call ran no step).
         A progress line with the ETA every 1/20 of the run (at least every train.log_every steps), and
         whenever PROGRESS_SECONDS have passed since the last one."""
-        from .grpo import _StopFlag
         t = self.cfg.train
         history: list[dict] = []
         start, start_step = time.perf_counter(), self.step   # the ETA is this process's pace, also after a resume
@@ -216,7 +215,7 @@ class OfflineTrainer:
         self.final_eval = None
         if files:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        stop = _StopFlag() if files else contextlib.nullcontext()
+        stop = StopFlag() if files else contextlib.nullcontext()
         trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
             if files else contextlib.nullcontext()
         self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id

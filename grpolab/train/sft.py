@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import DataError
-from ..data.supervised import Example, collate, encode, fit_length, pack
+from ..data.supervised import Example, collate, encode, fit_length, pack, task_sft_rows
 from .evaluate import evaluate
 from ..monitor.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
 from ..models.logprobs import token_logprobs
-from .loop import OfflineTrainer
+from .loop import OfflineTrainer, total_steps
 from .schedule import lr_factor
+from ..data.tasks import arithmetic, pyfunc
 
 
 def model_context(model) -> int | None:
@@ -130,8 +131,6 @@ def warm_start_hook(cfg, n_rows: int):
     """The demos' warm-start recipe: correct answers, then for the last sft.bare_steps steps a seeded
     sft.bare_fraction of guesses: bare '#### N' answers (arithmetic) or a guessed constant (pyfunc).
     None when off or for other tasks."""
-    from ..data.tasks import arithmetic, pyfunc
-    from .loop import total_steps
     s = cfg.sft
     mixers = {"arithmetic": arithmetic.warm_start_mixer, "pyfunc": pyfunc.warm_start_mixer}
     if cfg.data.task not in mixers or s.train_path or s.bare_fraction <= 0:
@@ -144,7 +143,6 @@ def warm_start_hook(cfg, n_rows: int):
 def train_sft(model, tokenizer, rows: list[dict], cfg, log=None, batch_hook=None) -> list[float]:
     """The demo's warm start: SFT on the task's rows (prompt + answer) in place, nothing written.
     `cfg` is the whole Config (its sft section) ; returns the per-step losses."""
-    from ..data.supervised import task_sft_rows
 
     class _Log:   # the warm start's progress goes to `log` (console.info): a line at the loop's interval, with ETA
         def progress(self, job, step, total, elapsed, parts, start_step=0):

@@ -14,16 +14,17 @@ from pathlib import Path
 
 import torch
 
-from .config import Config
-from .monitor.console import Console
-from .pipeline import _device, configure_rewards, fit_prompts, load_data
-from .rewards import reward_names
-from .rewards.combine import score
-from .rollout.engine import generate
-from .rollout.keys import completion_keys
-from .rollout.tool_decode import build_tool_use
-from .models.checkpoint import load_model
-from .utils.files import write_atomic
+from ..config import Config
+from ..monitor.console import Console
+from .common import model_device, setup_torch
+from .inputs import configure_rewards, fit_prompts, load_data
+from ..rewards import reward_names
+from ..rewards.combine import score
+from ..rollout.engine import generate
+from ..rollout.keys import completion_keys
+from ..rollout.tool_decode import build_tool_use
+from ..models.checkpoint import load_model
+from ..utils.files import write_atomic
 
 SAMPLE_SALT = 0x736D706C   # 'smpl': never the keys of the training rollouts of the same seed
 
@@ -54,13 +55,12 @@ def select_pair(completions: list[str], rewards: list[float]) -> tuple[int, int]
     return best, worst
 
 
-def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console | None = None) -> dict:
+def run(checkpoint: str, cfg: Config, out: str | Path, console: Console | None = None) -> dict:
     """Sample, score, select, write `out` (jsonl, atomically); returns the counts."""
-    from .pipeline import setup_torch
     console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     sm, r, w = cfg.sample, cfg.rollout, cfg.reward
-    model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=_device(cfg))
+    model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=model_device(cfg))
     configure_rewards(cfg, console)
     rows, _ = load_data(cfg)
     rows = fit_prompts(cfg, model, tok, rows, console, "train")

@@ -27,10 +27,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import Config, _apply, _flatten, parse_override, read_yaml
-from .errors import ConfigError
-from .monitor.console import Console
-from .utils.files import write_json
+from ..config import Config, _apply, _flatten, parse_override, read_yaml
+from ..errors import ConfigError, DataError
+from ..monitor.console import Console
+from ..monitor.report import write_pipeline_report
+from ..utils.files import write_json
+from . import distill, dpo, rm, sample, sft, train
+from ..models.checkpoint import list_checkpoints
 
 JOBS = ("sft", "grpo", "sample", "dpo", "rm", "distill")
 
@@ -70,14 +73,14 @@ def stage_configs(path: str | Path, overrides: list[str]) -> tuple[Path, list[tu
 
 
 def _final_checkpoint(run_dir: Path) -> str:
-    from .models.checkpoint import list_checkpoints
+
     found = list_checkpoints(run_dir / "checkpoints")
     if not found:
         raise ConfigError(f"{run_dir}: the stage wrote no checkpoint")
     return str(found[-1])
 
 
-def run_pipeline(path: str | Path, overrides: list[str], console: Console | None = None) -> list[dict]:
+def run(path: str | Path, overrides: list[str], console: Console | None = None) -> list[dict]:
     """Run (or, with train.resume=auto, finish) the stages; returns each stage's record."""
     root, stages = stage_configs(path, overrides)
     console = console or Console(level=stages[0][1].log.level)
@@ -104,16 +107,12 @@ def run_pipeline(path: str | Path, overrides: list[str], console: Console | None
         if rec.get("output"):
             samples["pairs" if rec.get("pairs") else "samples"] = rec["output"]
         write_json(root / "pipeline.json", {"stages": records})
-    from .monitor.report import write_pipeline_report
     console.result(f"report: {write_pipeline_report(root)}")
     return records
 
 
 def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, resume: bool,
                console: Console, reward_model: str | None = None) -> dict:
-    from . import offline, pipeline
-    from .rejection import run_sample
-
     run_dir = Path(cfg.train.output_dir)
     model_from = last["checkpoint"] if last else None
     if model_from:
@@ -130,16 +129,15 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
             if not samples.get("pairs"):
                 raise ConfigError(f"stages[{n}] (rm): no rm.pairs and no earlier sample stage with sample.pairs: true")
             cfg.rm.pairs = samples["pairs"]
-        summary = offline.run_rm(cfg, console)
+        summary = rm.run(cfg, console)
         return {**rec, "reward_model": _final_checkpoint(run_dir), "rm_eval": summary["after"]}
     if job == "sample":
         if not model_from:
             raise ConfigError(f"stages[{n}] (sample): needs a trained model from an earlier stage")
         run_dir.mkdir(parents=True, exist_ok=True)
         out = run_dir / ("pairs.jsonl" if cfg.sample.pairs else "samples.jsonl")
-        stats = run_sample(model_from, cfg, out, console)
+        stats = sample.run(model_from, cfg, out, console)
         if not stats.get("pairs", stats.get("accepted")):
-            from .errors import DataError
             raise DataError(f"stages[{n}] (sample): no {'pairs' if cfg.sample.pairs else 'completion reached sample.min_reward'}"
                             f" among {stats['samples']} samples, so the next stage has nothing to train on; lower "
                             f"sample.min_reward, raise sample.k / sample.num_prompts, or train longer before it")
@@ -151,9 +149,9 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
             raise ConfigError(f"stages[{n}] (dpo): no dpo.pairs and no earlier sample stage with sample.pairs: true")
         cfg.dpo.pairs = samples["pairs"]
     if job == "grpo":
-        ev = pipeline.run_train(cfg, console)
+        ev = train.run(cfg, console)
     else:
-        run = {"sft": offline.run_sft, "dpo": offline.run_dpo, "distill": offline.run_distill}[job]
+        run = {"sft": sft.run, "dpo": dpo.run, "distill": distill.run}[job]
         # the model this stage starts from was evaluated at the end of the last stage: reused when the
         # eval is set up the same way (same problems, settings and seed: the same numbers)
         same = last is not None and last.get("eval_setup") == _eval_setup(cfg)

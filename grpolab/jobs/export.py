@@ -26,18 +26,18 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from .models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, TOOL_TOKENS, UNK_CHAR, USER, CharTokenizer
-from .errors import ExportError
+from ..models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, TOOL_TOKENS, UNK_CHAR, USER, CharTokenizer
+from ..errors import ExportError
+from ..models.lora import has_lora
+from ..models.checkpoint import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
 
 
 
-def export(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dtype: str = "float32") -> str:
+def run(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dtype: str = "float32") -> str:
     """Write the export; returns a one-line description of what was written."""
-    from .models.lora import has_lora
-    from .models.checkpoint import load_model
 
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -117,7 +117,6 @@ def _check(out: Path, ids: torch.Tensor, expected: torch.Tensor, dtype: str) -> 
 
 def _merged_gpt_state(model) -> dict[str, torch.Tensor]:
     """The GPT's weights with any LoRA adapters merged in, under the plain GPT's names."""
-    from .models.lora import has_lora
     if not has_lora(model):
         return dict(model.state_dict())
     from peft.tuners.lora import LoraLayer

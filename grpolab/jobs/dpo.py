@@ -1,0 +1,41 @@
+"""`grpolab dpo`: direct preference optimisation on (prompt, chosen, rejected) rows."""
+
+from __future__ import annotations
+from ..config import Config
+from ..errors import ConfigError
+from ..data.loading import read_records
+from ..data.preference import fit_pairs, preference_rows
+from ..monitor.console import Console
+from .inputs import fit_prompts
+from ..train.sft import model_context
+from .offline import finish_job, run_job, start_job, starting_model
+from ..train.dpo import DPOTrainer
+
+
+def read_pairs(cfg: Config, path: str | None) -> list[dict]:
+    if not path:
+        raise ConfigError("dpo.pairs: give the preference rows (prompt, chosen, rejected), e.g. the file "
+                          "`grpolab sample CHECKPOINT --pairs --out pairs.jsonl` writes")
+    return preference_rows(read_records(path, cfg.data.train_split, cfg.data.dataset_config), source=path)
+
+
+def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+    """Direct preference optimisation (`grpolab dpo`); returns summary.json's contents."""
+    return run_job(cfg, "dpo", console, lambda c: _dpo(cfg, c, before))
+
+
+def _dpo(cfg: Config, console: Console, before: dict | None) -> dict:
+    pairs = read_pairs(cfg, cfg.dpo.pairs)
+    run_dir, ckpt, _, test_task = start_job(cfg, "dpo", console)
+    model, tok = starting_model(cfg, ckpt, console)
+    pairs, dropped = fit_pairs(pairs, tok, model_context(model) or 10 ** 9, source=cfg.dpo.pairs)
+    if dropped:
+        console.info(f"dpo: dropped {len(dropped)} of {len(pairs) + len(dropped)} pairs whose prompt fills the "
+                     f"model's context (rows {', '.join(map(str, dropped[:10]))}{' ...' if len(dropped) > 10 else ''})")
+    test_task = fit_prompts(cfg, model, tok, test_task, console, "test") if test_task else []
+    trainer = DPOTrainer(cfg, model, tok, pairs, test_rows=test_task, run_dir=run_dir, console=console)
+    console.info(f"dpo: {len(pairs)} pairs, {trainer.max_steps} steps x {cfg.dpo.batch_size} pairs, "
+                 f"beta {cfg.dpo.beta}, {cfg.dpo.loss_type}")
+    return finish_job(trainer, cfg, run_dir, ckpt, console, before)
+
+

@@ -1,0 +1,38 @@
+"""`grpolab eval`: a checkpoint (ours, or any Hugging Face model directory) on the test split."""
+
+from __future__ import annotations
+import json
+from pathlib import Path
+from ..config import Config
+from ..train.evaluate import evaluate
+from ..monitor.console import Console
+from ..rollout.tool_decode import build_tool_use
+from ..models.checkpoint import load_model
+from ..train.memory_budget import check_eval_memory
+from .inputs import configure_rewards, fit_prompts, load_data
+from .common import setup_torch
+
+
+def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:
+    """Evaluate a checkpoint (ours, or any Hugging Face model directory) on the test split;
+    writes eval.json and eval_samples.jsonl to `out` and prints a table."""
+    console = console or Console(level=cfg.log.level)
+    setup_torch(cfg)
+    model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=cfg.model.device)
+    configure_rewards(cfg, console)
+    _, test_rows = load_data(cfg)
+    test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
+    check_eval_memory(cfg, model, tok, test_rows)   # eval.k / eval.batch_size beyond the memory: one line
+    e = cfg.eval
+    res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
+                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
+                   reward=e.reward, tools=build_tool_use(cfg.rollout, tok, checkpoint))
+    samples = res.pop("samples")
+    out_dir = Path(out or checkpoint)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(res, indent=2))
+    with open(out_dir / "eval_samples.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    console.table(["metric", "value"], [[k, v] for k, v in res.items()], always=True)
+    return res

@@ -1,0 +1,138 @@
+"""What a job starts from: the reward functions configured, the task's rows, prompts that fit the
+model, the starting policy."""
+
+from __future__ import annotations
+import time
+from pathlib import Path
+from ..config import Config
+from ..data.loading import filter_long_prompts, normalize_rows, read_records
+from ..errors import DataError
+from ..data.tasks import arithmetic, pyfunc
+from ..data.tasks.humaneval import load_humaneval
+from ..data.tasks.gsm8k import load_gsm8k
+from ..monitor.console import Console
+from ..models import CharTokenizer, build_builtin
+from ..models.hf import load_hf, resolve_device
+from ..rollout.tool_decode import build_tool_use
+from ..models.checkpoint import load_model
+from ..train.sft import train_sft, warm_start_hook
+from .common import model_device
+from ..rewards import code, combine, judge
+from ..rollout.tools import load_tools
+
+
+def configure_rewards(cfg: Config, console: Console | None = None) -> None:
+    """Before any work: reward.code_exec's limits for code_exec (also when a user reward calls it); when
+    code_exec scores this run, check the sandbox works on this machine (a one-line error with the fix
+    if not). A warning on every run when the sandbox is off."""
+    combine.configure(cfg.reward)   # reward.timeout for every score() of this run
+    # the python tool runs programs in the same sandbox
+    listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec" or "python" in cfg.rollout.tools
+    code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
+    if cfg.reward.judges:   # the judges this run asks; answers cached in the run directory
+        judge.configure(cfg.reward, Path(cfg.train.output_dir) / "judge_cache")
+    if cfg.rollout.tools:   # a bad tool spec fails here, before any warm start
+        load_tools(list(cfg.rollout.tools))
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows), each row with 'prompt', 'answer' and any other columns."""
+    d = cfg.data
+    if d.task == "arithmetic":
+        task = arithmetic.ArithmeticConfig(min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand,
+                                           max_value=d.max_value, allow_mul=d.allow_mul)
+        train = arithmetic.generate("train", d.train_size, cfg.train.seed, task)
+        test = arithmetic.generate("test", d.test_size, cfg.train.seed, task)
+    elif d.task == "pyfunc":
+        train = pyfunc.generate("train", d.train_size, cfg.train.seed)
+        test = pyfunc.generate("test", d.test_size, cfg.train.seed)
+    elif d.task == "humaneval":   # an eval set: train on it only to smoke-test a setup
+        test = load_humaneval(d.test_path)
+        train = load_humaneval(d.train_path) if d.train_path else test
+    elif d.task == "gsm8k":
+        source = d.train_path or "openai/gsm8k"
+        train = load_gsm8k(source, d.train_split)
+        test = load_gsm8k(d.test_path, None) if d.test_path else load_gsm8k(source, d.test_split)
+        # the suffix and system prompt apply to GSM8K as to any dataset
+        train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
+                                      source=source) for r in (train, test))
+    else:
+        train, test = (_read_split(d, path, split) for path, split in
+                       ((d.train_path, d.train_split), (d.test_path or d.train_path, d.test_split)))
+    train = train[:d.train_size] if d.train_size else train
+    return _with_data_source(train, d), _with_data_source(test, d)
+
+
+# verl's name for a dataset, for rows without their own data_source column: verl-style rewards
+# dispatch on it (verl's default_compute_score knows 'openai/gsm8k')
+DATA_SOURCES = {"arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k", "pyfunc": "grpolab/pyfunc",
+                "humaneval": "openai/openai_humaneval"}
+
+
+def _with_data_source(rows: list[dict], d) -> list[dict]:
+    source = DATA_SOURCES.get(d.task, d.train_path)
+    return [r if "data_source" in r else {**r, "data_source": source} for r in rows]
+
+
+def _read_split(d, path: str, split: str) -> list[dict]:
+    if d.test_path is None and path == d.train_path and split == d.test_split and Path(path).is_file():
+        raise DataError(f"data.test_path: {path!r} is a single file, so it has no test split; "
+                        f"give a held-out file in data.test_path")
+    return normalize_rows(read_records(path, split, d.dataset_config), prompt_key=d.prompt_key,
+                          answer_key=d.answer_key, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
+                          source=path)
+
+
+def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, split: str) -> list[dict]:
+    """Drop (or reject) prompts longer than data.max_prompt_length, or than leaves room in the
+    model's context for rollout.max_new_tokens (with tools: rollout.max_completion_tokens)."""
+    r = cfg.rollout
+    if r.tools:   # a chat template renders the tools into the prompt: measure prompts as they will be
+        build_tool_use(r, tok, cfg.model.name_or_path).close()
+    limit = cfg.data.max_prompt_length
+    context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", None)
+    if context:
+        key, budget = (("max_completion_tokens", r.max_completion_tokens) if r.tools and r.max_completion_tokens
+                       else ("max_new_tokens", r.max_new_tokens))
+        room = context - budget
+        if room < 1:
+            raise DataError(f"rollout.{key}={budget} leaves no room for a prompt in "
+                            f"the model's context of {context} tokens")
+        limit = min(limit, room) if limit else room
+    if not limit:
+        return rows
+    kept, dropped = filter_long_prompts(rows, lambda p: len(tok.render_prompt(p)), limit, cfg.data.on_long_prompt)
+    if dropped:
+        console.info(f"{split}: dropped {dropped} of {len(rows)} prompts longer than {limit} tokens "
+                     f"(data.max_prompt_length)")
+    if not kept:
+        raise DataError(f"{split}: every prompt is longer than {limit} tokens; raise data.max_prompt_length")
+    return kept
+
+
+def load_policy(cfg: Config, train_rows: list[dict], console: Console, warm_start: bool = True):
+    """The starting policy: a checkpoint (model.init_from), a Hugging Face model
+    (model.name_or_path), or a fresh built-in GPT, warm-started with SFT on `train_rows` (unless
+    `warm_start` is False: the offline jobs train it themselves)."""
+    m = cfg.model
+    if m.init_from:
+        console.info(f"loading {m.init_from}")
+        return load_model(m.init_from, dtype=m.dtype, device=model_device(cfg))
+    if m.name_or_path != "builtin":
+        model, tok = load_hf(m.name_or_path, dtype=m.dtype, device=model_device(cfg),
+                             trust_remote_code=m.trust_remote_code)
+        console.info(f"{m.name_or_path}: {model.num_params() / 1e6:.2f}M parameters, {m.dtype}, "
+                     f"{next(model.parameters()).device}")
+        return model, tok
+    tok = CharTokenizer()
+    model = build_builtin(cfg.model, tok).to(resolve_device(model_device(cfg)))
+    console.info(f"built-in GPT: {model.num_params() / 1e6:.2f}M parameters")
+    if cfg.sft.steps and warm_start:
+        t0 = time.perf_counter()
+        sft_rows = train_rows
+        if cfg.sft.tool_fraction and cfg.data.task == "arithmetic":   # worked steps that call the calculator
+            sft_rows = [arithmetic.with_calculator(r, cfg.sft.tool_fraction, cfg.train.seed) for r in train_rows]
+        train_sft(model, tok, sft_rows, cfg, log=console.info, batch_hook=warm_start_hook(cfg, len(train_rows)))
+        console.info(f"warm start done in {time.perf_counter() - t0:.0f}s")
+    model.eval()
+    return model, tok

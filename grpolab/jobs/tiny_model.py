@@ -1,0 +1,18 @@
+"""`grpolab tiny-model OUT`: a tiny random Llama with a BPE tokenizer (Hugging Face layout) for CPU runs."""
+
+from __future__ import annotations
+
+import json
+
+from ..models.tiny_hf import save_tiny_model
+
+
+def run(out: str, data: str | None = None, vocab_size: int = 512) -> str:
+    """Write the model to `out`; its tokenizer trains on `data`'s question/prompt and answer texts
+    (default: arithmetic problems). The path written."""
+    texts = None
+    if data:
+        with open(data) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        texts = [str(r.get("question", r.get("prompt", ""))) + "\n" + str(r.get("answer", "")) for r in rows]
+    return save_tiny_model(out, texts, vocab_size=vocab_size)

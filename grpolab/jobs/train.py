@@ -1,0 +1,73 @@
+"""`grpolab train`: GRPO (and its family) for train.max_steps, then the final eval."""
+
+from __future__ import annotations
+import json
+from pathlib import Path
+import torch
+from .. import distributed
+from ..config import Config
+from ..errors import ConfigError
+from ..monitor.console import Console
+from ..models import CharTokenizer
+from ..models.hf import resolve_device
+from ..models.checkpoint import find_resume_checkpoint, load_model
+from ..train.grpo import GRPOTrainer
+from ..train.memory_budget import builtin_shape, check_run_memory
+from .common import check_resume_job, make_console, model_device, setup_torch, write_run_config, write_run_report
+from .inputs import configure_rewards, fit_prompts, load_data, load_policy
+
+
+def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
+    """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
+    problem = distributed.check_world(distributed.world_from_env(), cfg.rollout.prompts_per_step)
+    if problem:   # before any work, not after the warm start
+        raise ConfigError(problem)
+    # rank 0 finds (and repairs) the checkpoint; the others take its answer (run_dir: a shared filesystem)
+    ckpt = None
+    if cfg.train.resume and distributed.world_from_env().main:
+        ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
+    ckpt = distributed.broadcast_object(ckpt)
+    check_resume_job(ckpt, "grpo")
+    configure_rewards(cfg, console)
+    train_rows, test_rows = load_data(cfg)
+    if ckpt is not None:   # the checkpoint holds the policy: no warm start again
+        console.info(f"resuming from {ckpt}")
+        model, tok = load_model(ckpt, dtype=cfg.model.dtype, device=model_device(cfg))
+    else:
+        if cfg.model.name_or_path == "builtin" and not cfg.model.init_from:   # before the warm start, not after it
+            check_run_memory(cfg, builtin_shape(cfg.model, CharTokenizer().vocab_size), CharTokenizer(), train_rows,
+                             test_rows, resolve_device(model_device(cfg)), distributed.world_from_env(),
+                             cfg.model.block_size)
+        model, tok = load_policy(cfg, train_rows, console)
+    train_rows = fit_prompts(cfg, model, tok, train_rows, console, "train")
+    test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
+    trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+    if ckpt is not None:
+        trainer.restore(ckpt, weights=False)   # the policy was loaded from ckpt above
+    return trainer
+
+
+def run(cfg: Config, console: Console | None = None) -> dict:
+    """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
+    setup_torch(cfg)
+    try:
+        return _train(cfg, console or make_console(cfg))
+    finally:   # also on errors and Ctrl-C: a rank leaves its process group cleanly
+        distributed.shutdown()
+
+
+def _train(cfg: Config, console: Console) -> dict:
+    run_dir = Path(cfg.train.output_dir)
+    write_run_config(cfg, run_dir, "grpo")
+    trainer = build_trainer(cfg, run_dir, console)
+    if trainer.world.size > 1:
+        console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "
+                     f"{torch.get_num_threads()} threads each")
+    trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
+    final = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
+    if trainer.world.main:
+        (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+        console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
+        write_run_report(run_dir, console)
+    distributed.barrier()   # all ranks leave together: none tears down the group while rank 0 still writes
+    return final

@@ -1,0 +1,37 @@
+"""What a rollout returns: prompts, sampled completions and their masks, the sampler's log-probs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    prompt_ids: torch.Tensor        # (B, P) left-padded with pad_id, B = num_prompts * G
+    prompt_mask: torch.Tensor       # (B, P) bool, True at real prompt tokens
+    completion_ids: torch.Tensor    # (B, C) right-padded with pad_id
+    completion_mask: torch.Tensor   # (B, C) bool, True up to and including the stop token
+    sampler_logprobs: torch.Tensor  # (B, C) log-prob of each sampled token (0 where masked)
+    truncated: torch.Tensor         # (B,) bool, True when no stop token within max_new_tokens
+    tool_mask: torch.Tensor | None = None  # (B, C) bool, True at tokens tools wrote (context: no loss, no KL)
+    tool_calls: list | None = None  # (B,) with tools: each row's calls, [{name, arguments, output, error}]
+
+    def __post_init__(self) -> None:
+        if self.tool_mask is None:
+            self.tool_mask = torch.zeros_like(self.completion_mask)
+
+    @property
+    def context_mask(self) -> torch.Tensor:
+        """(B, C) bool: every real completion token, the tools' included (what the model attends to)."""
+        return self.completion_mask | self.tool_mask
+
+    def id_lists(self) -> list[list[int]]:
+        """Each completion's token ids, stop token included, no padding; with tools, the tools' tokens
+        too, in place (what rewards and decoded texts see)."""
+        return [ids[m].tolist() for ids, m in zip(self.completion_ids.cpu(), self.context_mask.cpu())]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}

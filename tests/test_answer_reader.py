@@ -1,8 +1,8 @@
 """The one reader of 'the answer after the last ####' (grpolab/data/answers.py) and everything
 built on it: gsm8k_accuracy, the `format` reward, math_accuracy's plain-number path, the GSM8K loader.
 
-ROWS is the README's answer table (between <!-- answer-table --> and <!-- /answer-table -->);
-test_readme_table_is_rows keeps the two equal, and every row is checked by test_row.
+ROWS is the answer table of docs/hf.md (between <!-- answer-table --> and <!-- /answer-table -->);
+test_docs_table_is_rows keeps the two equal, and every row is checked by test_row.
 """
 
 import json
@@ -118,10 +118,10 @@ def _cell(text: str) -> str:
     return text[1:-1].replace("\\n", "\n")
 
 
-def readme_rows(markdown: str) -> list[tuple]:
+def table_rows(markdown: str, name: str) -> list[tuple]:
     """The rows of the table between the answer-table markers, in ROWS' form."""
     start, end = "<!-- answer-table -->", "<!-- /answer-table -->"
-    assert start in markdown and end in markdown, f"README.md has no {start} ... {end} table"
+    assert start in markdown and end in markdown, f"{name} has no {start} ... {end} table"
     lines = markdown.split(start, 1)[1].split(end, 1)[0].strip().splitlines()
     assert [c.strip() for c in lines[0].strip().strip("|").split("|")] == \
         ["completion", "reference", "read as", "gsm8k_accuracy", "format", "math_accuracy"]
@@ -135,9 +135,9 @@ def readme_rows(markdown: str) -> list[tuple]:
     return rows
 
 
-def test_readme_table_is_rows():
-    # fails until the README has the table: every row there is one of ROWS, in order, and none is missing
-    assert readme_rows((ROOT / "README.md").read_text()) == ROWS
+def test_docs_table_is_rows():
+    # fails until the docs page has the table: every row there is one of ROWS, in order, and none is missing
+    assert table_rows((ROOT / "docs" / "hf.md").read_text(), "docs/hf.md") == ROWS
 
 
 # ---- the reader's parts ----------------------------------------------------------------------------

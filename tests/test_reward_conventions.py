@@ -391,18 +391,18 @@ def test_rows_get_a_data_source_unless_they_have_one(tmp_path, gsm8k_dir):
         assert sorted({r["data_source"] for r in train + test}) == sorted(want), overrides
 
 
-def _readme_reward_yaml():
+def _docs_reward_yaml():
     import re
     import yaml
     from conftest import ROOT
-    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "hf.md").read_text(), re.S)
     block = next(b for b in blocks if "trl.rewards:think_format_reward" in b)
     return yaml.safe_load(block)
 
 
-def test_readme_trl_and_verl_example_trains(tmp_path, gsm8k_dir):
+def test_docs_trl_and_verl_example_trains(tmp_path, gsm8k_dir):
     pytest.importorskip("verl.utils.reward_score.gsm8k")
-    ex = _readme_reward_yaml()
+    ex = _docs_reward_yaml()
     specs = ex["reward"]["functions"]
     tr = make_trainer(tmp_path, "data.task=gsm8k", f"data.train_path={gsm8k_dir}", "data.max_prompt_length=0",
                       "model.block_size=256", "train.max_steps=1", f"reward.functions={json.dumps(specs)}",
@@ -447,7 +447,7 @@ def test_reward_spec_mistakes_are_config_errors():
         load_config(None, ['reward.functions=["m:f(x=open)"]'])
     with pytest.raises(ConfigError, match=r"reward.functions: a reward is listed twice"):
         load_config(None, ["reward.functions=[format, format]"])
-    # the README's quoting: a spec with commas inside one quoted list item stays one spec
+    # the docs' quoting (docs/hf.md): a spec with commas inside one quoted list item stays one spec
     cfg = load_config(None, ['reward.functions=["trl.rewards:get_repetition_penalty_reward(ngram_size=3, '
                              'max_penalty=-1.0)"]'])
     assert cfg.reward.functions == ["trl.rewards:get_repetition_penalty_reward(ngram_size=3, max_penalty=-1.0)"]

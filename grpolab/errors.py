@@ -42,9 +42,5 @@ class NonFiniteLogits(RuntimeError):
     """The model produced NaN/inf logits while sampling (its weights have diverged)."""
 
 
-class SandboxError(RuntimeError):
-    """The sandbox cannot be set up on this machine, or a job is malformed."""
-
-
 class ToolCallError(ValueError):
     """A call the model wrote that cannot be run (unparsable, unknown tool, bad arguments)."""

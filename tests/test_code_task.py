@@ -22,7 +22,7 @@ from grpolab.errors import ConfigError
 from grpolab.data.tasks import pyfunc
 from grpolab.rewards import code as code_reward
 from grpolab.rewards.code import code_exec, extract_program, prompt_code, stdio_cases
-from grpolab.errors import SandboxError
+from grpolab.sandbox import SandboxError
 from grpolab.sandbox.runner import _verdicts
 
 ROOT = Path(__file__).resolve().parents[1]

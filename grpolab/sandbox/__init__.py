@@ -2,7 +2,6 @@
 read-only root, no network), `grader` (tests run outside the program's process) and `runner`
 (the host side: sandboxes judging batches of programs in parallel, bounded by the timeout)."""
 
-from .runner import Limits, Verdict, check_isolation, run_batch, run_program, run_programs
-from ..errors import SandboxError
+from .runner import Limits, SandboxError, Verdict, check_isolation, run_batch, run_program, run_programs
 
 __all__ = ["Limits", "SandboxError", "Verdict", "check_isolation", "run_batch", "run_program", "run_programs"]

@@ -20,13 +20,17 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from ..errors import SandboxError
 
 LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
 FIX = ("enable unprivileged user namespaces (sudo sysctl -w kernel.unprivileged_userns_clone=1; on Ubuntu 24.04+ "
        "also sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0), or set "
        "reward.code_exec.unsafe_no_sandbox: true to run programs without isolation")
 
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot be set up on this machine, or a job is malformed. (Defined here, not in
+    grpolab/errors.py: the sandbox's files also run on their own, outside the package.)"""
 
 
 @dataclass(frozen=True)

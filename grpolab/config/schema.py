@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 
@@ -604,7 +604,7 @@ def _apply(cfg: Config, settings: list[tuple[str, Any]]) -> Config:
     """Set `settings` in order, after the algorithm preset they name (explicit keys win over it)."""
     preset = [v for k, v in settings if k == "algorithm.preset"]
     if preset and preset[-1] is not None:
-        from .algorithms.presets import PRESETS
+        from ..algorithms.presets import PRESETS
         name = preset[-1]
         if name not in PRESETS:
             raise ConfigError(f"algorithm.preset: {name!r} is not one of {', '.join(PRESETS)}")
@@ -732,12 +732,12 @@ def max_threads() -> int:
 
 
 def validate(cfg: Config) -> None:
-    from .algorithms.advantages import ADV_ESTIMATORS
-    from .algorithms.aggregate import AGG_MODES
-    from .algorithms.losses import POLICY_LOSSES
-    from .rewards import REWARDS
-    from .errors import RewardError
-    from .rewards.custom import parse_call
+    from ..algorithms.advantages import ADV_ESTIMATORS
+    from ..algorithms.aggregate import AGG_MODES
+    from ..algorithms.losses import POLICY_LOSSES
+    from ..rewards import REWARDS
+    from ..errors import RewardError
+    from ..rewards.custom import parse_call
 
     for f in dataclasses.fields(cfg):   # first: the range checks below assume finite numbers
         check_finite(getattr(cfg, f.name), f.name)
@@ -766,7 +766,7 @@ def validate(cfg: Config) -> None:
     _need(0 <= s.bare_fraction <= 1, "sft.bare_fraction: must be in [0, 1]")
     _need(s.bare_steps >= 0, "sft.bare_steps: must be >= 0")
 
-    from .algorithms.losses import DISTILL_KL, DPO_LOSSES
+    from ..algorithms.losses import DISTILL_KL, DPO_LOSSES
     p = cfg.dpo
     _need(p.beta > 0, "dpo.beta: must be > 0")
     _choice("dpo.loss_type", p.loss_type, DPO_LOSSES)
@@ -855,7 +855,7 @@ def validate(cfg: Config) -> None:
               "reward.weights: must be finite numbers")
 
     a = cfg.algorithm
-    from .algorithms.advantages import TOKEN_ESTIMATORS
+    from ..algorithms.advantages import TOKEN_ESTIMATORS
     _choice("algorithm.adv_estimator", a.adv_estimator, (*ADV_ESTIMATORS, *TOKEN_ESTIMATORS))
     _need(0 < a.gamma <= 1, "algorithm.gamma: must be in (0, 1]")
     _need(0 <= a.lam <= 1, "algorithm.lam: must be in [0, 1]")

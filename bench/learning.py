@@ -54,7 +54,7 @@ from typing import Any, Iterator
 import torch
 
 from grpolab import pipeline
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.logging.console import Console
 from grpolab.train.grpo import GRPOTrainer
 

@@ -8,7 +8,7 @@ import errno
 import os
 import sys
 
-from .config import load_config
+from .config.load import load_config
 from .errors import ConfigError
 
 DEMO_DIR = "runs/demo"

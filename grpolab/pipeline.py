@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from . import distributed
-from .config import Config, check_output_dir
+from .config import Config
+from .config.load import check_output_dir
 from .errors import ConfigError
 from .data.loading import filter_long_prompts, normalize_rows, read_records
 from .errors import DataError

@@ -118,7 +118,7 @@ def test_fsdp_on_the_builtin_gpt_equals_one_process(tmp_path):
 def _train_here(*overrides):
     """`grpolab train OVERRIDES` in this process, as the CLI builds it (without the final eval)."""
     from pathlib import Path
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.logging.console import Console
     from grpolab.pipeline import build_trainer, setup_torch
     cfg = load_config(None, list(overrides))

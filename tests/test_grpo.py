@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.logging.console import Console
 from grpolab.pipeline import build_trainer, load_data, load_policy, setup_torch
 from grpolab.train.grpo import GRPOTrainer

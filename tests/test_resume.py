@@ -122,7 +122,7 @@ def parity_len(prompts, completions, **_):
 
 def _train(out, args):
     from pathlib import Path
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.logging.console import Console
     from grpolab.pipeline import build_trainer, setup_torch
     cfg = load_config(None, TINY + [f"train.output_dir={out}", *args])

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.logging.console import Console
 from grpolab.pipeline import build_trainer, setup_torch, write_run_config
 from grpolab.rewards import code as code_reward

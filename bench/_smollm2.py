@@ -26,7 +26,8 @@ from types import SimpleNamespace
 
 import torch
 
-from grpolab.config import Config, config_from_dict
+from grpolab.config import Config
+from grpolab.config.load import config_from_dict
 from grpolab.train.evaluate import evaluate
 from grpolab.models.hf import HFPolicy, HFTokenizer
 from grpolab.jobs.inputs import load_data

@@ -32,7 +32,7 @@ def workload(mode: str, sft_steps: int, grpo_steps: int) -> dict:
 
     import torch
 
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.determinism import pin_cpu_numerics
     from grpolab.monitor.console import Console
     from grpolab.jobs.inputs import load_data, load_policy

@@ -54,7 +54,7 @@ from typing import Any, Iterator
 import torch
 
 from grpolab.jobs import train as pipeline
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer
 

@@ -92,7 +92,7 @@ def rows(n: int = PROMPTS, tokens: int = PROMPT_TOKENS) -> list[dict]:
 
 
 def run_ours(model_dir: Path, lora: int, ckpt: bool) -> dict:
-    from grpolab.config import config_from_dict
+    from grpolab.config.load import config_from_dict
     from grpolab.monitor.console import Console
     from grpolab.jobs.inputs import load_policy
     from grpolab.train.grpo import GRPOTrainer

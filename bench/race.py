@@ -88,7 +88,7 @@ def greedy_accuracy(hf_model, tok, rows: list[dict]) -> float:
 def run_ours(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     import torch
 
-    from grpolab.config import config_from_dict
+    from grpolab.config.load import config_from_dict
     from grpolab.monitor.console import Console
     from grpolab.jobs.train import build_trainer
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +127,7 @@ def run_trl(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpolab.config import config_from_dict
+    from grpolab.config.load import config_from_dict
     from grpolab.models.hf import load_hf
     from grpolab.jobs.inputs import load_data
     from grpolab.rewards.accuracy import gsm8k_accuracy

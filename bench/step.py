@@ -99,7 +99,7 @@ from pathlib import Path
 import _smollm2  # bench/_smollm2.py (this script's folder is on sys.path): the --model setting
 import torch
 
-from grpolab.config import config_from_dict
+from grpolab.config.load import config_from_dict
 from grpolab.data.tasks import arithmetic
 from grpolab.monitor.console import Console
 from grpolab.models.tiny_hf import save_tiny_model

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from .config import load_config
 from .errors import CheckpointError, ConfigError, DataError, ExportError, RewardError, TrainingError
 
 DEMO_DIR = "runs/demo"
@@ -31,6 +30,12 @@ def _job(command: str):
 
 def _distributed():
     return importlib.import_module(f"{__package__}.distributed")
+
+
+def load_config(path, overrides):
+    """grpolab.config.load.load_config, imported when a command runs (its validation reads the reward
+    and algorithm registries, which load torch)."""
+    return importlib.import_module(f"{__package__}.config.load").load_config(path, overrides)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -20,7 +20,7 @@ from grpolab import distributed as dist
 from grpolab import sharding
 from grpolab.algorithms.aggregate import AGG_MODES
 from grpolab.algorithms.losses import POLICY_LOSSES
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.models import GPT, GPTConfig, CharTokenizer
 from grpolab.rollout.batch import RolloutBatch
 from grpolab.rollout.generation import Generation

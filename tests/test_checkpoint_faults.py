@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import save_file
 
 from conftest import ROOT, run_cli
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.models import GPT, GPTConfig
 from grpolab.jobs.common import write_run_config

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.data.tasks import pyfunc
 from grpolab.rewards import code as code_reward

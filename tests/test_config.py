@@ -1,6 +1,7 @@
 import pytest
 
-from grpolab.config import Config, load_config
+from grpolab.config import Config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from conftest import run_cli
 

@@ -9,7 +9,9 @@ import os
 import pytest
 
 from conftest import run_cli
-from grpolab.config import Config, JudgeConfig, load_config, max_threads, validate
+from grpolab.config import Config, JudgeConfig
+from grpolab.config.load import load_config
+from grpolab.config.validate import max_threads, validate
 from grpolab.errors import ConfigError
 from grpolab.data.preference import heldout_size
 

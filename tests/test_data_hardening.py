@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.data.loading import normalize_rows, read_records
 from grpolab.errors import DataError
 from grpolab.data.messages import CHAT_ROLES

@@ -118,7 +118,7 @@ def test_fsdp_on_the_builtin_gpt_equals_one_process(tmp_path):
 def _train_here(*overrides):
     """`grpolab train OVERRIDES` in this process, as the CLI builds it (without the final eval)."""
     from pathlib import Path
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.monitor.console import Console
     from grpolab.jobs.train import build_trainer
     from grpolab.jobs.common import setup_torch

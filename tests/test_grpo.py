@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.monitor.console import Console
 from grpolab.jobs.train import build_trainer
 from grpolab.jobs.inputs import load_data, load_policy

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import running_server
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rewards import judge

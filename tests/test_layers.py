@@ -114,3 +114,10 @@ def test_the_checks_catch_what_they_should():
     assert find_cycle({"a": {"b": 1}, "b": {}, "d": {"a": 1, "b": 2}}) is None
     assert layer("grpolab.data.loading") > layer("grpolab.models.hf") > layer("grpolab.jobs.train")
     assert layer("grpolab.config.schema") > layer("grpolab.config.validate")
+
+
+def test_the_sandbox_imports_nothing_outside_itself():
+    """The sandbox's files also run on their own, as another user, from a copy outside the package."""
+    outside = [f"{m} -> {n}" for m, targets in graph().items() if m.startswith("grpolab.sandbox")
+               for n in targets if not n.startswith("grpolab.sandbox")]
+    assert not outside

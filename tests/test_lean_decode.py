@@ -117,7 +117,7 @@ def test_unsupported_models_fall_back_to_the_hf_cache():
 
 
 def test_rollout_lean_decode_config_key_reaches_the_policy(tmp_path):
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.data.tasks import arithmetic
     from grpolab.models.hf import HFTokenizer
     from grpolab.models.tiny_hf import build_tokenizer

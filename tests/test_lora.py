@@ -83,7 +83,7 @@ def _gsm8k_lora_args(data, model_dir, out):
 
 def _train_in_process(*overrides):
     """`grpolab train configs/gsm8k_tiny_hf.yaml OVERRIDES` in this process (as the CLI builds it)."""
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.monitor.console import Console
     from grpolab.jobs.train import build_trainer
     from grpolab.jobs.common import setup_torch
@@ -134,7 +134,7 @@ def test_lora_run_of_the_gsm8k_tiny_hf_config_resumes_exactly(tmp_path, llama_di
 
 
 def test_lora_config_errors():
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.errors import ConfigError
     for override, msg in [("model.lora_rank=-1", "model.lora_rank: must be >= 0"),
                           ("model.lora_dropout=1.0", "model.lora_dropout: must be in [0, 1)"),

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT, _free_port
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.errors import DataError
 from grpolab.models import GPT, CharTokenizer, GPTConfig

@@ -122,7 +122,7 @@ def parity_len(prompts, completions, **_):
 
 def _train(out, args):
     from pathlib import Path
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.monitor.console import Console
     from grpolab.jobs.train import build_trainer
     from grpolab.jobs.common import setup_torch

@@ -379,7 +379,7 @@ def test_dataset_column_named_like_an_argument_is_an_error():
 
 
 def test_rows_get_a_data_source_unless_they_have_one(tmp_path, gsm8k_dir):
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.jobs.inputs import load_data
     path = _write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "answer": "1"},
                                                   {"prompt": "b", "answer": "2", "data_source": "mine"}])
@@ -440,7 +440,7 @@ def test_columns_trl_does_not_pass_are_not_passed(monkeypatch):
 
 
 def test_reward_spec_mistakes_are_config_errors():
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     from grpolab.errors import ConfigError
     with pytest.raises(ConfigError, match=r"reward.functions: reward 'm:f\(x=open\)': the arguments must be "
                                           r"Python literals"):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from grpolab.algorithms.losses import bradley_terry_loss
 from grpolab.cli import main
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.rewards import get_reward
 from grpolab.errors import RewardError
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.monitor.console import Console
 from grpolab.jobs.train import build_trainer
 from grpolab.jobs.common import setup_torch, write_run_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpolab.algorithms.losses import distill_kl, dpo_loss
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.data.supervised import collate, encode, fit_length, pack, sft_rows
 from grpolab.models import GPT, GPTConfig, CharTokenizer
 from grpolab.models.hf import load_hf

@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file
 
 from grpolab.cli import main
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.jobs.sample import select_accepted, select_pair
 
 from conftest import ROOT

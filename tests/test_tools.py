@@ -299,7 +299,7 @@ def test_python_tool_runs_in_the_sandbox():
 
 
 def test_config_validation():
-    from grpolab.config import load_config
+    from grpolab.config.load import load_config
     with pytest.raises(ConfigError, match="rollout.max_tool_calls"):
         load_config(None, ["rollout.max_tool_calls=0"])
     with pytest.raises(ConfigError, match="rollout.max_completion_tokens"):

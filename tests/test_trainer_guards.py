@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from grpolab.config import Config, load_config
+from grpolab.config import Config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.models import CharTokenizer, build_builtin
 from grpolab.train.finite_step import count_nonfinite, restore, snapshot

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpolab.algorithms.presets import PRESETS
-from grpolab.config import load_config
+from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.monitor.console import Console
 from grpolab.jobs.inputs import load_data, load_policy

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 import yaml
 from .. import distributed
-from ..config import Config, check_output_dir
+from ..config import Config
+from ..config.load import check_output_dir
 from ..errors import ConfigError
 from ..determinism import pin_cpu_numerics
 from ..monitor.console import Console

@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import Config, _apply, _flatten, parse_override, read_yaml
+from ..config import Config
+from ..config.load import _apply, _flatten, parse_override, read_yaml
 from ..errors import ConfigError, DataError
 from ..monitor.console import Console
 from ..monitor.report import write_pipeline_report

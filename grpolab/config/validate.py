@@ -1,0 +1,413 @@
+"""Validation: every value of a loaded Config in range, every combination of keys supported, checked
+without touching the filesystem (load.check_output_dir does that). The first problem raises one
+ConfigError line naming the key and the fix. One function per section; `validate` runs them in a
+fixed order, so a config with several problems always reports the same one first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import string
+from typing import Any
+
+from ..algorithms.advantages import ADV_ESTIMATORS, TOKEN_ESTIMATORS
+from ..algorithms.aggregate import AGG_MODES
+from ..algorithms.losses import DISTILL_KL, DPO_LOSSES, POLICY_LOSSES
+from ..errors import ConfigError, RewardError
+from ..rewards import REWARDS
+from ..rewards.custom import parse_call
+from .schema import MIN_TEMPERATURE, Config, JudgeConfig
+
+
+def need(cond: bool, msg: str) -> None:
+    """ConfigError(msg) unless `cond`."""
+    if not cond:
+        raise ConfigError(msg)
+
+
+def short(value: Any, width: int = 40) -> str:
+    """repr(value), cut to `width` characters for an error line."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _choice(key: str, value: str, options) -> None:
+    need(value in options, f"{key}: {value!r} is not one of {', '.join(options)}")
+
+
+def _finite_problem(value: Any) -> bool:
+    """A float (alone or inside a list) that is inf or nan."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, (list, tuple)) and any(_finite_problem(v) for v in value)
+
+
+def check_finite(section: Any, prefix: str) -> None:
+    """Every float in `section` (a dataclass), its nested sections and its dicts of sections (the judges)
+    and lists, finite; ConfigError naming the first key that is not. inf and nan slip through range
+    checks (nan compares false to everything; inf is > 0): optim.lr=inf saved a checkpoint of NaN weights,
+    algorithm.beta=inf skipped every step and exited 0."""
+    for f in dataclasses.fields(section):
+        key, value = f"{prefix}.{f.name}", getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, key)
+        elif isinstance(value, dict):
+            for name, sub in value.items():
+                if dataclasses.is_dataclass(sub):
+                    check_finite(sub, f"{key}.{name}")
+                else:
+                    need(not _finite_problem(sub), f"{key}.{name}: must be a finite number, got {short(sub)}")
+        else:
+            what = "finite numbers" if isinstance(value, list) else "a finite number"
+            need(not _finite_problem(value), f"{key}: must be {what}, got {short(value)}")
+
+
+def max_threads() -> int:
+    """train.threads ceiling: max(256, 4 x this machine's cores). The thread count fixes the order of
+    torch's reductions, so a run is reproduced bit for bit with its own count, possibly from a bigger
+    machine (256 covers today's largest two-socket servers); beyond that, more threads than cores only
+    queue up, and train.threads=100000 asked OpenMP for 100000 threads."""
+    return max(256, 4 * (os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------- one function per section
+
+def _finite(cfg: Config) -> None:
+    """Every float of every section finite (first: the range checks below assume finite numbers)."""
+    for f in dataclasses.fields(cfg):
+        check_finite(getattr(cfg, f.name), f.name)
+
+
+def _model(cfg: Config) -> None:
+    """model.*: a model named, a known dtype and device, positive builtin sizes with an even RoPE head
+    width, LoRA settings in range."""
+    m = cfg.model
+    need(bool(m.name_or_path), "model.name_or_path: give 'builtin' or a Hugging Face model directory / hub id")
+    _choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    need(m.device in ("cpu", "cuda", "auto") or m.device.startswith("cuda:"),
+         f"model.device: {m.device!r} is not one of cpu, cuda, cuda:N, auto")
+    for k in ("n_layer", "n_head", "n_embd", "block_size"):
+        need(getattr(m, k) >= 1, f"model.{k}: must be >= 1")
+    need(m.lora_rank >= 0, "model.lora_rank: must be >= 0 (0 = full fine-tuning)")
+    need(m.lora_alpha > 0, "model.lora_alpha: must be > 0")
+    need(0 <= m.lora_dropout < 1, "model.lora_dropout: must be in [0, 1)")
+    need(m.lora_target_modules is None or (len(m.lora_target_modules) > 0 and all(
+        isinstance(x, str) and x for x in m.lora_target_modules)),
+         "model.lora_target_modules: give a list of layer names such as [q_proj, v_proj], or null for all")
+    need(m.n_embd % m.n_head == 0 and (m.n_embd // m.n_head) % 2 == 0,
+         f"model.n_embd: {m.n_embd} must be a multiple of 2*model.n_head ({2 * m.n_head}) for RoPE")
+
+
+def _stage_optimizers(cfg: Config) -> None:
+    """sft.steps (0 skips the warm start), then the shared step/optimizer keys (schema.StageOptimizer)
+    of sft, dpo, rm and distill: counts >= 0, batch_size >= 1, lr > 0, a known schedule."""
+    need(cfg.sft.steps >= 0, "sft.steps: must be >= 0 (0 skips the warm start)")
+    for name in ("sft", "dpo", "rm", "distill"):
+        s = getattr(cfg, name)
+        for k in ("steps", "epochs", "micro_batch_size", "warmup_steps"):
+            need(getattr(s, k) >= 0, f"{name}.{k}: must be >= 0")
+        need(s.batch_size >= 1, f"{name}.batch_size: must be >= 1")
+        need(s.lr > 0, f"{name}.lr: must be > 0")
+        _choice(f"{name}.lr_schedule", s.lr_schedule, ("linear", "cosine", "constant"))
+        need(s.weight_decay >= 0, f"{name}.weight_decay: must be >= 0")
+        need(s.max_grad_norm >= 0, f"{name}.max_grad_norm: must be >= 0 (0 = off)")
+
+
+def _sft(cfg: Config) -> None:
+    """sft.*: row length and what to do with longer rows, the bare-answer mix (tool_fraction is
+    checked with the tools)."""
+    s = cfg.sft
+    need(s.max_length >= 0, "sft.max_length: must be >= 0 (0 = the model's context)")
+    _choice("sft.on_long", s.on_long, ("truncate", "drop", "error"))
+    need(0 <= s.bare_fraction <= 1, "sft.bare_fraction: must be in [0, 1]")
+    need(s.bare_steps >= 0, "sft.bare_steps: must be >= 0")
+
+
+def _dpo(cfg: Config) -> None:
+    """dpo.*: beta > 0, a known loss type, label smoothing in [0, 0.5)."""
+    p = cfg.dpo
+    need(p.beta > 0, "dpo.beta: must be > 0")
+    _choice("dpo.loss_type", p.loss_type, DPO_LOSSES)
+    need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing: must be in [0, 0.5)")
+
+
+def _rm(cfg: Config) -> None:
+    """rm.*: held-out size, margin and centring coefficient in range."""
+    rmc = cfg.rm
+    need(rmc.eval_size is None or rmc.eval_size >= 0,
+         "rm.eval_size: must be >= 0 (0 = no held-out pairs) or null (10% of rm.pairs, 1 to 200)")
+    need(math.isfinite(rmc.margin), "rm.margin: must be a finite number")
+    need(rmc.center_rewards_coefficient >= 0, "rm.center_rewards_coefficient: must be >= 0 (0 = off)")
+
+
+def _distill(cfg: Config) -> None:
+    """distill.*: a known mode and KL direction, a usable temperature."""
+    di = cfg.distill
+    _choice("distill.mode", di.mode, ("logits", "on_policy"))
+    _choice("distill.kl", di.kl, DISTILL_KL)
+    need(di.temperature >= MIN_TEMPERATURE, f"distill.temperature: must be >= {MIN_TEMPERATURE}")
+
+
+def _sample(cfg: Config) -> None:
+    """sample.*: enough completions per prompt (two to make a pair), counts and threshold in range."""
+    sm = cfg.sample
+    need(sm.k >= 1 and (sm.k >= 2 or not sm.pairs), "sample.k: must be >= 1 (>= 2 with sample.pairs)")
+    need(sm.num_prompts >= 0, "sample.num_prompts: must be >= 0 (0 = all)")
+    need(math.isfinite(sm.min_reward), "sample.min_reward: must be a finite number")
+    need(sm.max_per_prompt >= 1, "sample.max_per_prompt: must be >= 1")
+    need(sm.batch_size >= 1, "sample.batch_size: must be >= 1")
+
+
+def _data(cfg: Config) -> None:
+    """data.*: a known task (files needs a path), prompt length policy, sizes and the arithmetic task's
+    difficulty in range."""
+    d = cfg.data
+    _choice("data.task", d.task, ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files"))
+    need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
+    need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
+    _choice("data.on_long_prompt", d.on_long_prompt, ("drop", "error"))
+    need(bool(d.prompt_key), "data.prompt_key: must name the prompt column")
+    need(d.train_size >= 0 and (d.task not in ("arithmetic", "pyfunc") or d.train_size >= 1),
+         "data.train_size: must be >= 1")
+    need(d.test_size >= 1, "data.test_size: must be >= 1")
+    need(1 <= d.min_ops <= d.max_ops, "data.min_ops: must satisfy 1 <= data.min_ops <= data.max_ops")
+    need(d.max_operand >= 2, "data.max_operand: must be >= 2")
+    need(d.max_value >= 2 * d.max_operand,
+         f"data.max_value: must be >= 2 * data.max_operand ({2 * d.max_operand})")
+
+
+def _rollout(cfg: Config) -> None:
+    """rollout.* sampling: prompts and a group of >= 2 completions per step, a length cap, a
+    temperature that cannot overflow float32, top-k/top-p in range."""
+    r = cfg.rollout
+    need(r.prompts_per_step >= 1, "rollout.prompts_per_step: must be >= 1")
+    need(r.num_generations >= 2,
+         "rollout.num_generations: must be >= 2 (group-relative advantages need a group)")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens: must be >= 1")
+    need(r.temperature >= MIN_TEMPERATURE and math.isfinite(r.temperature),   # below it logits/T overflow float32
+         f"rollout.temperature: must be >= {MIN_TEMPERATURE} (RL samples; use eval for greedy)")
+    need(r.top_k >= 0, "rollout.top_k: must be >= 0 (0 = off)")
+    need(0 < r.top_p <= 1, "rollout.top_p: must be in (0, 1]")
+
+
+def _tools(cfg: Config) -> None:
+    """The tool keys: rollout.tools a list of names or specs, call and output limits, a completion
+    budget no smaller than max_new_tokens; sft.tool_fraction (calculator calls in the warm start)."""
+    r = cfg.rollout
+    need(isinstance(r.tools, list) and all(isinstance(t, str) and t for t in r.tools),
+         "rollout.tools: must be a list of tool names or 'module:fn' specs, e.g. [calculator]")
+    need(r.max_tool_calls >= 1, "rollout.max_tool_calls: must be >= 1")
+    need(r.max_completion_tokens is None or r.max_completion_tokens >= r.max_new_tokens,
+         f"rollout.max_completion_tokens: must be >= rollout.max_new_tokens={r.max_new_tokens} (or null)")
+    need(r.tool_timeout > 0, "rollout.tool_timeout: must be > 0 seconds")
+    need(r.tool_output_max_chars >= 1, "rollout.tool_output_max_chars: must be >= 1")
+    need(0 <= cfg.sft.tool_fraction <= 1, "sft.tool_fraction: must be in [0, 1]")
+
+
+def _reward(cfg: Config) -> None:
+    """reward.*: at least one function, each a registered name or a spec that parses (judge:<name>
+    needs reward.judges.<name>), every judge's keys, the code_exec sandbox's limits, the timeout, no
+    function listed twice, one finite weight per function."""
+    w = cfg.reward
+    need(len(w.functions) >= 1, "reward.functions: list at least one reward, e.g. [gsm8k_accuracy]")
+    for name in w.functions:
+        need(isinstance(name, str) and bool(name), f"reward.functions: {name!r} is not a reward name")
+        need(name in REWARDS or ":" in name,
+             f"reward.functions: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}; or give "
+             f"'package.module:function', 'path/to/file.py:function', 'verl:path/to/file.py:compute_score' "
+             f"or 'rm:<model dir or hub id>'")
+        if name.startswith("judge:"):
+            need(name[len("judge:"):] in w.judges, f"reward.functions: {name!r} names no judge; define "
+                 f"reward.judges.{name[len('judge:'):]} (base_url, model, ...)")
+        elif ":" in name and not name.startswith("rm:"):
+            try:
+                parse_call(name[len("verl:"):] if name.startswith("verl:") else name)
+            except RewardError as e:
+                raise ConfigError(f"reward.functions: {e}") from None
+    for jname, j in w.judges.items():
+        _judge(f"reward.judges.{jname}", j)
+    c = w.code_exec
+    need(c.timeout > 0 and math.isfinite(c.timeout), "reward.code_exec.timeout: must be > 0 seconds")
+    need(c.memory_mb >= 64, "reward.code_exec.memory_mb: must be >= 64 (Python alone needs about 30 MB)")
+    need(c.max_procs >= 1, "reward.code_exec.max_procs: must be >= 1")
+    need(c.max_output >= 1, "reward.code_exec.max_output: must be >= 1 byte")
+    need(c.max_concurrent >= 0, "reward.code_exec.max_concurrent: must be >= 0 (0 = the number of cores)")
+    need(c.tmp_mb >= 1, "reward.code_exec.tmp_mb: must be >= 1")
+    need(c.tmp_inodes >= 16, "reward.code_exec.tmp_inodes: must be >= 16")
+    need(c.shm_mb >= 0, "reward.code_exec.shm_mb: must be >= 0 (0 = no shared memory)")
+    need(w.timeout >= 0, "reward.timeout: must be >= 0 seconds (0 = no limit)")
+    need(len(set(w.functions)) == len(w.functions), "reward.functions: a reward is listed twice; list it once "
+         "(give it a larger reward.weights entry to count it more)")
+    if w.weights is not None:
+        need(len(w.weights) == len(w.functions),
+             f"reward.weights: {len(w.weights)} weights for {len(w.functions)} functions; give one per function")
+        need(all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in w.weights),
+             "reward.weights: must be finite numbers")
+
+
+def _judge(key: str, j: JudgeConfig) -> None:
+    """One reward.judges.<name>: an http(s) address and a model, the API key by variable name only, a
+    parser with a valid score range, verdicts, pattern and template, request limits in range."""
+    need(bool(j.base_url) and j.base_url.startswith(("http://", "https://")),
+         f"{key}.base_url: give the judge server's API address, e.g. http://127.0.0.1:8000/v1")
+    need(bool(j.model), f"{key}.model: give the model name the judge server serves")
+    need(j.api_key_env is None or bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", j.api_key_env)),
+         f"{key}.api_key_env: give the NAME of an environment variable holding the key (e.g. OPENAI_API_KEY), "
+         f"never the key itself")
+    _choice(f"{key}.parser", j.parser, ("number", "verdict"))
+    need(len(j.score_range) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                         for x in j.score_range)
+         and j.score_range[0] < j.score_range[1], f"{key}.score_range: give [lowest, highest], e.g. [0, 10]")
+    need(len(j.verdicts) >= 2 and all(isinstance(v, str) and v.strip() for v in j.verdicts)
+         and len(set(v.lower() for v in j.verdicts)) == len(j.verdicts),
+         f"{key}.verdicts: give at least two distinct words, best first, e.g. [correct, incorrect]")
+    if j.pattern is not None:
+        try:
+            need(re.compile(j.pattern).groups >= 1, f"{key}.pattern: needs a group, e.g. 'Score: (\\d+)'")
+        except re.error as e:
+            raise ConfigError(f"{key}.pattern: not a valid regex ({e})") from None
+    if j.template is not None:
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(j.template) if f is not None}
+        except ValueError as e:
+            raise ConfigError(f"{key}.template: {e} (write literal braces as {{{{ and }}}})") from None
+        known = {"question", "completion", "reference", "rubric", "examples", "min", "max", "verdicts"}
+        unknown = sorted(names - known)
+        need(not unknown, f"{key}.template: unknown field {{{(unknown or [''])[0]}}}; fields are "
+             f"{', '.join('{' + k + '}' for k in sorted(known))}")
+        need("completion" in names, f"{key}.template: must contain {{completion}} (the answer to grade)")
+    need(j.max_tokens >= 1, f"{key}.max_tokens: must be >= 1")
+    need(j.temperature >= 0, f"{key}.temperature: must be >= 0")
+    need(j.concurrency >= 1, f"{key}.concurrency: must be >= 1")
+    need(j.timeout > 0, f"{key}.timeout: must be > 0 seconds")
+    need(j.max_retries >= 0, f"{key}.max_retries: must be >= 0")
+    need(j.backoff >= 0, f"{key}.backoff: must be >= 0 seconds")
+    need(j.rubric_examples >= 0, f"{key}.rubric_examples: must be >= 0")
+
+
+def _algorithm_estimator(cfg: Config) -> None:
+    """algorithm.* of the advantage estimate: a registered estimator, gamma and lam in range, the
+    sampler/trainer correction (mode, level, threshold > 1), RLPR's std filter decay in [0, 1)."""
+    a = cfg.algorithm
+    _choice("algorithm.adv_estimator", a.adv_estimator, (*ADV_ESTIMATORS, *TOKEN_ESTIMATORS))
+    need(0 < a.gamma <= 1, "algorithm.gamma: must be in (0, 1]")
+    need(0 <= a.lam <= 1, "algorithm.lam: must be in [0, 1]")
+    _choice("algorithm.rollout_correction", a.rollout_correction, ("none", "tis", "mis"))
+    _choice("algorithm.rollout_correction_level", a.rollout_correction_level, ("token", "sequence"))
+    need(a.rollout_correction_threshold > 1, "algorithm.rollout_correction_threshold: must be > 1")
+    need(0 <= a.std_filter_ema < 1, "algorithm.std_filter_ema: must be in [0, 1) (0 = off)")
+
+
+def _critic(cfg: Config) -> None:
+    """critic.* (gae's value model): lr > 0, warmups and clipping in range."""
+    c = cfg.critic
+    need(c.lr > 0, "critic.lr: must be > 0")
+    need(c.warmup_steps >= 0 and c.warmup_updates >= 0, "critic.warmup_steps/critic.warmup_updates: must be >= 0")
+    need(c.max_grad_norm >= 0, "critic.max_grad_norm: must be >= 0 (0 = off)")
+    need(c.cliprange_value > 0, "critic.cliprange_value: must be > 0")
+
+
+def _algorithm_loss(cfg: Config) -> None:
+    """algorithm.* of the loss: reward scaling, a registered policy loss, KL estimator and aggregation,
+    clip ranges, beta >= 0 (and > 0 where the KL in the reward or the reference sync needs it),
+    sampling rounds, DAPO's overlong buffer within rollout.max_new_tokens, TR-DPO's sync."""
+    a, r = cfg.algorithm, cfg.rollout
+    _choice("algorithm.scale_rewards", a.scale_rewards, ("group", "batch", "none"))
+    _choice("algorithm.policy_loss", a.policy_loss, tuple(POLICY_LOSSES))
+    _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    _choice("algorithm.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    need(a.adv_eps >= 0, "algorithm.adv_eps: must be >= 0")
+    need(0 < a.epsilon < 1, "algorithm.epsilon: must be in (0, 1), e.g. 0.2")
+    need(a.epsilon_high is None or a.epsilon_high > 0, "algorithm.epsilon_high: must be > 0 or null")
+    need(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c: must be > 1 or null (off)")
+    need(a.beta >= 0, "algorithm.beta: must be >= 0 (0 disables the KL term)")
+    need(a.num_iterations >= 1, "algorithm.num_iterations: must be >= 1")
+    need(not a.kl_in_reward or a.beta > 0, "algorithm.kl_in_reward: needs algorithm.beta > 0 (the KL coefficient)")
+    need(a.entropy_coef >= 0, "algorithm.entropy_coef: must be >= 0")
+    need(a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds: must be >= 1")
+    need(0 <= a.overlong_buffer <= r.max_new_tokens,
+         f"algorithm.overlong_buffer: must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
+    need(a.overlong_penalty >= 0, "algorithm.overlong_penalty: must be >= 0")
+    need(a.ref_sync_steps >= 0, "algorithm.ref_sync_steps: must be >= 0 (0 = off)")
+    need(0 < a.ref_sync_alpha <= 1, "algorithm.ref_sync_alpha: must be in (0, 1]")
+    need(a.ref_sync_steps == 0 or a.beta > 0, "algorithm.ref_sync_steps: needs algorithm.beta > 0 (a reference)")
+
+
+def _strategy(cfg: Config) -> None:
+    """train.strategy a known one, and what LoRA rules out: FSDP, and a moving reference (the
+    reference is the base model with the adapters off)."""
+    m, a = cfg.model, cfg.algorithm
+    _choice("train.strategy", cfg.train.strategy, ("ddp", "fsdp"))
+    need(not (m.lora_rank and cfg.train.strategy == "fsdp"),
+         "train.strategy: fsdp with model.lora_rank > 0 is not supported; use ddp (LoRA's trained weights are small)")
+    need(not (m.lora_rank and a.ref_sync_steps),
+         "algorithm.ref_sync_steps: with model.lora_rank > 0 the reference is the base model (adapters off), "
+         "which cannot move; set algorithm.ref_sync_steps=0")
+
+
+def _optim(cfg: Config) -> None:
+    """optim.* (the RL optimizer): lr > 0, log-prob chunking, AdamW betas in [0, 1), warmup, a known
+    schedule, clipping and micro-batch in range."""
+    o = cfg.optim
+    need(o.lr > 0, "optim.lr: must be > 0")
+    need(o.logprob_chunk is None or o.logprob_chunk >= 0,
+         "optim.logprob_chunk: must be >= 0 (0 = all positions at once) or null (by vocabulary size)")
+    need(o.weight_decay >= 0, "optim.weight_decay: must be >= 0")
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/optim.beta2: must be in [0, 1)")
+    need(o.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")
+    _choice("optim.lr_schedule", o.lr_schedule, ("constant", "linear", "cosine"))
+    need(o.max_grad_norm >= 0, "optim.max_grad_norm: must be >= 0 (0 = off)")
+    need(o.micro_batch_size >= 0, "optim.micro_batch_size: must be >= 0 (0 = whole batch)")
+
+
+def _train(cfg: Config) -> None:
+    """train.*: steps, run directory, cadences and checkpoint counts in range; threads at most
+    max_threads()."""
+    t = cfg.train
+    need(t.max_steps >= 0, "train.max_steps: must be >= 0")
+    need(bool(t.output_dir), "train.output_dir: must be a directory path")
+    for k in ("save_every", "eval_every", "threads"):
+        need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
+    need(t.threads <= max_threads(), f"train.threads: {t.threads} is more than {max_threads()} (4 x this machine's "
+         f"{os.cpu_count()} cores, at least 256); threads beyond the cores only wait their turn (0 = all cores)")
+    need(t.log_every >= 1, "train.log_every: must be >= 1")
+    need(t.keep_checkpoints >= 0, "train.keep_checkpoints: must be >= 0 (0 = keep all)")
+    need(t.max_bad_steps >= 0, "train.max_bad_steps: must be >= 0")
+
+
+def _log(cfg: Config) -> None:
+    """log.*: a known level, sample cadence and count in range."""
+    lg = cfg.log
+    _choice("log.level", lg.level, ("quiet", "normal", "verbose"))
+    need(lg.samples_every >= 0, "log.samples_every: must be >= 0 (0 = off)")
+    need(lg.samples_per_step >= 1, "log.samples_per_step: must be >= 1")
+
+
+def _eval(cfg: Config) -> None:
+    """eval.*: counts and temperature in range, a known correctness check (code_exec for the code
+    tasks)."""
+    e = cfg.eval
+    need(e.num_problems >= 1, "eval.num_problems: must be >= 1")
+    need(e.k >= 1, "eval.k: must be >= 1")
+    need(e.temperature >= MIN_TEMPERATURE, f"eval.temperature: must be >= {MIN_TEMPERATURE} (greedy accuracy is "
+         f"measured apart)")
+    need(e.batch_size >= 1, "eval.batch_size: must be >= 1")
+    _choice("eval.reward", e.reward, ("gsm8k_accuracy", "math_accuracy", "code_exec"))
+    need(cfg.data.task not in ("pyfunc", "humaneval") or e.reward == "code_exec",
+         f"eval.reward: data.task={cfg.data.task} is checked by running the code: set eval.reward=code_exec "
+         f"(and reward.functions=[code_exec])")
+
+
+# the order the checks run in: the first problem found is the one reported
+CHECKS = (_finite, _model, _stage_optimizers, _sft, _dpo, _rm, _distill, _sample, _data, _rollout, _tools, _reward,
+          _algorithm_estimator, _critic, _algorithm_loss, _strategy, _optim, _train, _log, _eval)
+
+
+def validate(cfg: Config) -> None:
+    """Check every section of `cfg` (CHECKS, in order); ConfigError with one line naming the first
+    key that is out of range or unsupported, and the fix."""
+    for check in CHECKS:
+        check(cfg)

@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # torch 2.13.0 (CPU) is the pinned, tested build; on machines without it pip takes the newest torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test docs venv clean smollm2 easy-data
+.PHONY: demo test test-fast lint docs venv clean smollm2 easy-data
 
 # The demo needs only the core (torch & co.); the tests add the Hugging Face stack.
 $(VENV)/.core: pyproject.toml Makefile
@@ -29,8 +29,17 @@ venv: $(VENV)/.full
 demo: $(VENV)/.core
 	$(VENV)/bin/grpolab demo
 
-test: $(VENV)/.full
+# everything: lint, then every test (CI runs this, .ci/run)
+test: lint
 	$(PY) -m pytest
+
+# the inner loop: the tests marked slow (end-to-end runs, several ranks, the real model) left out
+test-fast: $(VENV)/.full
+	$(PY) -m pytest -m "not slow"
+
+# ruff: pyflakes, pycodestyle and import order, configured in pyproject.toml
+lint: $(VENV)/.full
+	$(VENV)/bin/ruff check .
 
 # the manual as a site in site/ (mkdocs.yml): strict, so a broken link or a page left out of the nav fails
 $(VENV)/.docs: $(VENV)/.core

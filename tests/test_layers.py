@@ -121,3 +121,17 @@ def test_the_sandbox_imports_nothing_outside_itself():
     outside = [f"{m} -> {n}" for m, targets in graph().items() if m.startswith("grpolab.sandbox")
                for n in targets if not n.startswith("grpolab.sandbox")]
     assert not outside
+
+
+def test_no_package_import_inside_a_function():
+    """Imports of the package's own modules sit at the top of each file, where the reader sees them."""
+    hidden = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom) and (sub.level or (sub.module or "").startswith("grpolab")):
+                        hidden.append(f"{name} line {sub.lineno}")
+                    elif isinstance(sub, ast.Import) and any(a.name.startswith("grpolab") for a in sub.names):
+                        hidden.append(f"{name} line {sub.lineno}")
+    assert not hidden

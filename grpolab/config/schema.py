@@ -292,7 +292,7 @@ class RewardConfig:
 @dataclass
 class AlgorithmConfig:
     preset: str | None = option(None, "grpo | dr_grpo | dapo | gspo | rloo | reinforce: a published recipe's "
-                                      "algorithm keys (table in the README); keys you set yourself still win")
+                                      "algorithm keys (table in docs/algorithms.md); keys you set yourself still win")
     adv_estimator: str = option("grpo", "grpo (z-score in the group) | dr_grpo (r - group mean) | rloo "
                                         "(leave-one-out mean) | reinforce_baseline (r - group mean, whitened over "
                                         "the batch) | grpo_passk (only the best of each group is credited); "
@@ -364,7 +364,7 @@ class OptimConfig:
     micro_batch_size: int = option(0, "rows per forward/backward; 0 = whole batch at once")
     logprob_chunk: int | None = option(None, "completion positions per chunk of the head + log-softmax + entropy, "
                                              "each chunk recomputed in the backward: no (rows, length, vocab) "
-                                             "float32 logits are kept (README \"Memory\"); 0 = all positions at "
+                                             "float32 logits are kept (docs/memory.md); 0 = all positions at "
                                              "once; null = 32 where a micro-batch's float32 logits would pass 128 "
                                              "MiB, else 0")
     share_prompt: bool = option(True, "HF models: the log-prob passes (reference, old policy, update) run each "
@@ -395,7 +395,7 @@ class TrainConfig:
                                                  "update stops the run with one line before any checkpoint holds it")
     strategy: str = option("ddp", "with several ranks: ddp (every rank holds the whole model, gradients summed) | "
                                   "fsdp (FSDP2: parameters, gradients and optimizer state sharded over the ranks; "
-                                  "see README \"Scaling out\"). One process: no effect")
+                                  "see docs/scaling.md). One process: no effect")
 
 
 @dataclass

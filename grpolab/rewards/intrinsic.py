@@ -17,7 +17,7 @@ Built-in rewards (per completion, over its tokens, stop token included):
                         completion's final answer is replaced by the reference; reward = mean per-token
                         probability of the reference answer's tokens after prompt + reasoning, minus the
                         same after the prompt alone (the debiasing baseline), clipped to [0, 1]
-Certainty rewards help early and then collapse: the policy learns to be sure, not right (README).
+Certainty rewards help early and then collapse: the policy learns to be sure, not right (docs/algorithms.md).
 """
 
 from __future__ import annotations

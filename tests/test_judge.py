@@ -6,10 +6,8 @@ served is a random built-in GPT: its answers differ from prompt to prompt and ho
 
 import json
 import math
-import os
 import signal
 import threading
-import time
 import urllib.request
 
 import openai

@@ -188,8 +188,9 @@ def main() -> None:
     except ImportError:
         trl_version = None
     sides = [a.only] if a.only else ["ours"] + (["trl"] if trl_version else [])
-    res: dict = {"bench": "grpo_step_memory", "malloc_mmap_threshold_for_memory": 65536, "prompts": PROMPTS, "completions": G, "prompt_tokens": PROMPT_TOKENS,
-                 "new_tokens": NEW_TOKENS, "beta": BETA, "vocab": VOCAB, "layers": a.layers, "trl": trl_version}
+    res: dict = {"bench": "grpo_step_memory", "malloc_mmap_threshold_for_memory": 65536, "prompts": PROMPTS,
+                 "completions": G, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "beta": BETA,
+                 "vocab": VOCAB, "layers": a.layers, "trl": trl_version}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "llama"
         build_model(model_dir, a.layers)

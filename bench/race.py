@@ -377,7 +377,8 @@ def race_real(model_arg: str, steps: int, every: int, eval_n: int, plot_path: Pa
             if step % every == 0 or step == steps:
                 for side, kid in kids.items():
                     e = kid.ask("eval")
-                    curves[side]["evals"].append({"step": step, "train_s": round(clock[side], 2), "greedy": e["greedy"]})
+                    curves[side]["evals"].append({"step": step, "train_s": round(clock[side], 2),
+                                                  "greedy": e["greedy"]})
                     log(f"{side:4s} eval at step {step}: greedy {e['greedy']:.3f} ({e['eval_s']:.0f} s)")
         for side, kid in kids.items():
             curves[side].update(kid.ask("peak"))
@@ -428,8 +429,8 @@ def plot_real(o: dict, t: dict, s, path: Path, res: dict) -> None:
             v = c["median_s"][k]
             axes[2].bar(i, v, bottom=bottom, color=f"C{j + 2}", label=name if i == 0 else None)
             bottom += v
-        axes[2].text(i, bottom, f"median step {c['median_s']['s']:.0f} s\npeak RSS {c['train_peak_rss_mib'] / 1024:.1f} GiB",
-                     ha="center", va="bottom", fontsize=8)
+        axes[2].text(i, bottom, f"median step {c['median_s']['s']:.0f} s\n"
+                     f"peak RSS {c['train_peak_rss_mib'] / 1024:.1f} GiB", ha="center", va="bottom", fontsize=8)
     axes[2].set_xticks([0, 1], ["grpolab", "TRL"])
     axes[2].set(ylabel="seconds (median of each part)", title="where a step's time goes")
     axes[2].margins(y=0.2)

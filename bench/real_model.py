@@ -159,7 +159,10 @@ def main() -> None:
     b.add_argument("--plot", type=Path)
     b.add_argument("--after", type=Path, help="eval.json of the trained model (default RUN/eval.json, the final eval)")
     args = ap.parse_args()
-    res = length(args.run, args.plot) if args.cmd == "length" else math_run(args.run, args.before, args.plot, args.after)
+    if args.cmd == "length":
+        res = length(args.run, args.plot)
+    else:
+        res = math_run(args.run, args.before, args.plot, args.after)
     print(json.dumps(res))
 
 

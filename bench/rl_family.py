@@ -42,8 +42,8 @@ def main() -> int:
     for name, extra in RUNS.items():
         run = root / name
         t0 = time.perf_counter()
-        subprocess.run(cli + ["train", f"model.init_from={warm}", f"train.max_steps={args.steps}", "train.eval_every=10",
-                              f"train.output_dir={run}", "log.level=quiet", *extra], check=True,
+        subprocess.run(cli + ["train", f"model.init_from={warm}", f"train.max_steps={args.steps}",
+                              "train.eval_every=10", f"train.output_dir={run}", "log.level=quiet", *extra], check=True,
                        stdout=subprocess.DEVNULL)
         secs = time.perf_counter() - t0
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

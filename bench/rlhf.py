@@ -63,7 +63,8 @@ def main() -> int:
     run("sft", ["sft", f"train.output_dir={root / 'sft'}"], root / "sft" / "eval.json")
     warm = ckpt(root / "sft")
     pairs = root / "pairs.jsonl"
-    run("sample", ["sample", warm, "--pairs", "--k", "8", "--out", str(pairs), f"sample.num_prompts={a.prompts}"], pairs)
+    run("sample", ["sample", warm, "--pairs", "--k", "8", "--out", str(pairs), f"sample.num_prompts={a.prompts}"],
+        pairs)
     run("rm", ["rm", f"rm.pairs={pairs}", f"model.init_from={warm}", f"rm.steps={a.rm_steps}", f"rm.lr={a.rm_lr}",
                "rm.eval_size=200", f"train.output_dir={root / 'rm'}"], root / "rm" / "eval.json")
     rm = ckpt(root / "rm")

@@ -23,8 +23,8 @@ and "variable_lora": the variable regime with LoRA r16 adapters on every block l
 trainer samples from in bench/race.py --model (ours, then, cannot use its lean decode path: see the
 `path` field), against HF `generate` on the same peft model.
 
-All runs: temperature 1.0, fp32, CPU, 2 threads (--threads: the same number on both sides); runs alternate (ours, HF, ours, HF, ...) after a
-warm-up; the medians and their ratio are printed as one JSON line.
+All runs: temperature 1.0, fp32, CPU, 2 threads (--threads: the same number on both sides); runs alternate
+(ours, HF, ours, HF, ...) after a warm-up; the medians and their ratio are printed as one JSON line.
 
     python bench/rollout.py [--runs 5] [--shape tiny|realistic]
     python bench/rollout.py --model smollm2 [--runs 3] [--prompts 4] [--max-new 128] [--threads 2]
@@ -184,8 +184,8 @@ def realistic(runs: int) -> dict:
         steps = int(lens_f.max())
         bytes_read = steps * params * 4 + kv
         result[regime] = {
-            "useful_tokens": useful, "ours_tok_s": round(useful / ours_s, 1), "hf_generate_tok_s": round(useful / hf_s, 1),
-            "ratio_ours_over_hf": round(hf_s / ours_s, 2),
+            "useful_tokens": useful, "ours_tok_s": round(useful / ours_s, 1),
+            "hf_generate_tok_s": round(useful / hf_s, 1), "ratio_ours_over_hf": round(hf_s / ours_s, 2),
             "ours_fraction_of_matmul_limit": round(flops / ours_s / 1e9 / limits["decode_matmul_gflops"], 3),
             "ours_fraction_of_bandwidth": round(bytes_read / ours_s / 1e9 / limits["copy_bandwidth_gbs"], 3),
             "ours_s": [round(x[0], 3) for x in a], "hf_s": [round(x[0], 3) for x in b]}
@@ -316,7 +316,8 @@ def main() -> None:
     c = [ours(gpt, cprompts, ctok.pad_id, i + 1) for i in range(args.runs)]
     print(json.dumps({
         "bench": "rollout", "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW, "runs": args.runs,
-        "tiny_llama_ours_tok_s": round(statistics.median(a)), "tiny_llama_hf_generate_tok_s": round(statistics.median(b)),
+        "tiny_llama_ours_tok_s": round(statistics.median(a)),
+        "tiny_llama_hf_generate_tok_s": round(statistics.median(b)),
         "ratio_ours_over_hf": round(statistics.median(a) / statistics.median(b), 2),
         "builtin_gpt_ours_tok_s": round(statistics.median(c)), "torch": torch.__version__}))
 

@@ -53,7 +53,8 @@ def main() -> int:
     pairs = root / "pairs.jsonl"
     subprocess.run(GRPOLAB + ["sample", warm, "--pairs", "--k", "8", "--out", str(pairs), "sample.num_prompts=1024",
                              "log.level=quiet"], check=True, stdout=subprocess.DEVNULL)
-    res["dpo"], secs["dpo"] = run(["dpo", f"model.init_from={warm}", f"dpo.pairs={pairs}", "dpo.steps=60"], root / "dpo")
+    res["dpo"], secs["dpo"] = run(["dpo", f"model.init_from={warm}", f"dpo.pairs={pairs}", "dpo.steps=60"],
+                                  root / "dpo")
     secs["dpo"] += time.perf_counter() - t0
 
     res["distill_logits_2layer"], secs["distill_logits"] = run(
@@ -69,7 +70,8 @@ def main() -> int:
         "sft_worked_answers >= warm_start": g["sft_worked_answers"] >= g["warm_start"],
         "dpo > its start (warm_start)": g["dpo"] > g["warm_start"],
         "distill_logits_2layer >= 0.8 * teacher (grpo)": g["distill_logits_2layer"] >= 0.8 * g["grpo"],
-        "distill_on_policy > its start (student_2layer_warm_start)": g["distill_on_policy"] > g["student_2layer_warm_start"],
+        "distill_on_policy > its start (student_2layer_warm_start)":
+            g["distill_on_policy"] > g["student_2layer_warm_start"],
     }
     print(json.dumps({"greedy_accuracy": g, "pass@1": {k: v.get("pass@1") for k, v in res.items()},
                       "checks": checks, "seconds": {k: round(v, 1) for k, v in secs.items()}}, indent=2))

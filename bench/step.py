@@ -350,8 +350,8 @@ def run_bench(model_dir: Path, runs: int, warmup: int, shape: str) -> dict:
     """Timed alternation in this process, then each side's peak RSS in its own process."""
     rows = the_rows(shape, warmup + runs)
     version = trl_version()
-    result: dict = {"bench": "step", "shape": shape, "prompts": P, "completions": G, "new_tokens": NEW_TOKENS, "beta": BETA,
-                    "runs": runs, "warmup": warmup, "threads": THREADS, "reward": REWARD}
+    result: dict = {"bench": "step", "shape": shape, "prompts": P, "completions": G, "new_tokens": NEW_TOKENS,
+                    "beta": BETA, "runs": runs, "warmup": warmup, "threads": THREADS, "reward": REWARD}
     if REAL:
         result.update({"model": str(model_dir), "setting": dataclasses.asdict(REAL["setting"]),
                        "reward": list(_smollm2.REWARD_NAMES), "beta": REAL["setting"].beta,

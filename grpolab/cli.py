@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="warm start the built-in model, GRPO, before/after table")
     d.add_argument("--steps", type=int, default=None, help="GRPO steps (default: train.max_steps)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--out", default=None, help=f"run directory (default: a train.output_dir=... override, else {DEMO_DIR})")
+    d.add_argument("--out", default=None,
+                   help=f"run directory (default: a train.output_dir=... override, else {DEMO_DIR})")
     d.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training")
     d.add_argument("--config", default=None, help="YAML config to demo instead of the defaults, e.g. "
                    "configs/code_demo.yaml")
@@ -106,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: the run's config.yaml when CHECKPOINT is a run's checkpoints/step_N)")
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
-    pl = sub.add_parser("pipeline", help="run a config's stages (sft, grpo, sample, dpo, rm, distill) one after another")
+    pl = sub.add_parser("pipeline",
+                        help="run a config's stages (sft, grpo, sample, dpo, rm, distill) one after another")
     pl.add_argument("config", help="YAML config with a `stages:` list")
     pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied to every stage")
 
@@ -373,7 +375,8 @@ def _config_problem(args, nproc: int) -> str | None:
         if args.command == "train":
             cfg = load_config(*_config_and_overrides(args))
         else:
-            cfg = load_config(args.config, list(args.overrides) + ([f"train.max_steps={args.steps}"] if args.steps else []))
+            steps = [f"train.max_steps={args.steps}"] if args.steps else []
+            cfg = load_config(args.config, list(args.overrides) + steps)
     except ConfigError as e:
         return str(e)
     return _distributed().check_world(_distributed().World(rank=0, size=nproc, local_rank=0, local_size=nproc),

@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT
 from grpolab.errors import DataError
 from grpolab.data.tasks.gsm8k import load_gsm8k
-from grpolab.data.answers import (extract_hash_answer, final_answer_text, format_number, parse_number, plain_number, reference_answer)
+from grpolab.data.answers import (extract_hash_answer, final_answer_text, format_number, parse_number, plain_number,
+                                  reference_answer)
 from grpolab.rewards.accuracy import gsm8k_accuracy
 from grpolab.rewards.format import answer_format
 from grpolab.data.math_answers import _plain_equal
@@ -68,12 +69,12 @@ ROWS = [
     ("#### 72", SOLD, "72", 1, 1, "1"),
     ("#### 24", SOLD, "24", 0, 1, "0"),
     ("#### 5", "#### 5\n#### five", "5", 0, 1, "0 (math-verify)"),
-    ("#### 0.5", "\\frac12", "0.5", 0, 1, "1 (math-verify)"),
+    ("#### 0.5", "\\frac12", "0.5", 0, 1, "1 (math-verify)"),   # gsm8k_accuracy reads '\frac12' as 12
     # not plain, so math-verify decides; its plain-text parser reads '4x' and '2 i' as lone numbers
     ("#### 4", "4x", "4", 1, 1, "1 (math-verify)"),             # letters in the reference: algebra
     ("#### 4x", "4", "4", 1, 1, "1 (math-verify)"),             # a letter touching the number
     ("#### 2 i", "2", "2", 1, 1, "1 (math-verify)"),            # a one-letter word is a variable
-    ("#### - 5", "-5", "5", 0, 1, "0 (math-verify)"),           # a sign must touch its number   # gsm8k_accuracy reads '\frac12' as 12
+    ("#### - 5", "-5", "5", 0, 1, "0 (math-verify)"),           # a sign must touch its number
 ]
 
 

@@ -18,7 +18,8 @@ from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.models import GPT, GPTConfig
 from grpolab.jobs.common import write_run_config
-from grpolab.models.checkpoint import (cut_logs, find_resume_checkpoint, load_model, load_training_state, verify_checkpoint)
+from grpolab.models.checkpoint import (cut_logs, find_resume_checkpoint, load_model, load_training_state,
+                                       verify_checkpoint)
 from grpolab.errors import CheckpointError
 from grpolab.train.resume_rules import unsafe_changes
 from test_grpo import TINY
@@ -307,8 +308,8 @@ def test_a_full_disk_is_one_line_that_names_the_checkpoint_kept(base, tmp_path):
     r = _in_tiny_tmpfs("420k", mnt, f"{cli}; rc=$?; cp -a {mnt}/run {saved}; exit $rc")
     line = _one_line(r)
     assert line == (f"grpolab: checkpoint error: cannot write checkpoint {mnt}/run/checkpoints/step_2 (at "
-                    f"optimizer.pt): the disk is full; kept {mnt}/run/checkpoints/step_1 (complete); free space and continue with "
-                    f"train.resume=auto"), line
+                    f"optimizer.pt): the disk is full; kept {mnt}/run/checkpoints/step_1 (complete); "
+                    f"free space and continue with train.resume=auto"), line
     assert sorted(p.name for p in (saved / "checkpoints").iterdir()) == ["step_1"]   # no half-written staging
     verify_checkpoint(saved / "checkpoints" / "step_1")
     for name in ("model.safetensors", "optimizer.pt"):   # the kept one is the uninterrupted run's step_1

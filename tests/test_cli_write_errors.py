@@ -56,7 +56,8 @@ def test_os_error_lines_name_the_file_and_what_happened():
         "error: disk full while writing /d/out.jsonl (No space left on device)"
     assert os_error_line(OSError(errno.ENOSPC, "No space left on device")) == \
         "error: disk full while writing a file (No space left on device)"
-    assert os_error_line(OSError(errno.EROFS, "Read-only file system", "/ro/x")) == "error: read-only file system: /ro/x"
+    assert os_error_line(OSError(errno.EROFS, "Read-only file system", "/ro/x")) == \
+        "error: read-only file system: /ro/x"
     assert os_error_line(PermissionError(errno.EACCES, "Permission denied", "/etc/x")) == \
         "error: permission denied: /etc/x"
     assert os_error_line(OSError(errno.EXDEV, "Invalid cross-device link", "/a", None, "/b")) == \

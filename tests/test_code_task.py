@@ -56,11 +56,13 @@ def test_pyfunc_reference_bodies_pass_their_hidden_tests_and_guessed_bodies_fail
 
 
 # ---------------------------------------------------------------- extraction and test formats
-HUMANEVAL_LIKE = 'from typing import List\n\n\ndef helper(x):\n    return x + 1\n\n\ndef f(xs: List[int]):\n    """Doc."""\n'
+HUMANEVAL_LIKE = ('from typing import List\n\n\ndef helper(x):\n    return x + 1\n\n\n'
+                  'def f(xs: List[int]):\n    """Doc."""\n')
 
 
 def test_extract_program_takes_the_last_fenced_block_after_the_prompts_code():
-    completion = "First:\n```python\ndef f(xs):\n    return 0\n```\nBetter:\n```python\ndef f(xs: List[int]):\n    return helper(1)\n```\n"
+    completion = ("First:\n```python\ndef f(xs):\n    return 0\n```\n"
+                  "Better:\n```python\ndef f(xs: List[int]):\n    return helper(1)\n```\n")
     program = extract_program(completion, HUMANEVAL_LIKE)
     assert program == HUMANEVAL_LIKE + "\n" + "def f(xs: List[int]):\n    return helper(1)\n"
     # without a fence the completion continues the prompt's code
@@ -208,8 +210,8 @@ runner = importlib.util.module_from_spec(spec)
 sys.modules["runner"] = runner
 spec.loader.exec_module(runner)
 probe = "import os\\ndef f():\\n    raise ValueError(repr((os.getuid(), sorted(os.listdir('/')))))\\n"
-ok = runner.run_program("def f(x):\\n    return x + 1\\n", {"mode": "check", "test": "def check(c):\\n    assert c(1) == 2\\n",
-                                                       "entry_point": "f"})
+ok = runner.run_program("def f(x):\\n    return x + 1\\n",
+                        {"mode": "check", "test": "def check(c):\\n    assert c(1) == 2\\n", "entry_point": "f"})
 seen = runner.run_program(probe, {"mode": "check", "test": "def check(c):\\n    c()\\n", "entry_point": "f"})
 print(os.getuid(), ok.status, seen.detail)
 """

@@ -132,7 +132,8 @@ def test_duplicate_yaml_keys_are_refused_naming_the_key_and_lines(tmp_path):
 def test_cli_refuses_duplicate_keys_in_one_line(tmp_path):
     p = tmp_path / "dup.yaml"
     p.write_text("rollout:\n  temperature: 0.7\n  temperature: 1.3\n")
-    _one_line(run_cli("train", str(p), timeout=120), f"config file {str(p)!r}: line 3: key 'temperature' is given twice")
+    _one_line(run_cli("train", str(p), timeout=120),
+              f"config file {str(p)!r}: line 3: key 'temperature' is given twice")
 
 
 def test_non_utf8_config_names_the_line(tmp_path):

@@ -34,7 +34,8 @@ def test_non_utf8_jsonl_and_json_name_the_line(tmp_path):
     with pytest.raises(DataError) as e:
         read_records(str(jsonl))
     col = len(b'{"prompt": "caf') + 1
-    assert str(e.value) == f"{jsonl}: line 3: not UTF-8 text (byte 0xe9 at byte {col} of the line); save the file as UTF-8"
+    assert str(e.value) == (f"{jsonl}: line 3: not UTF-8 text (byte 0xe9 at byte {col} of the line); "
+                            f"save the file as UTF-8")
     js = tmp_path / "rows.json"
     js.write_bytes(b"[\n" + ROW.encode() + b",\n" + b'{"prompt": "caf\xe9", "answer": "1"}\n]\n')
     with pytest.raises(DataError, match=r"rows\.json: line 3: not UTF-8 text \(byte 0xe9"):

@@ -140,7 +140,8 @@ def test_fsdp_run_resumes_across_world_sizes(tmp_path):
     _train_here(*args, "train.max_steps=3", f"train.output_dir={tmp_path / 'one'}")
     out = tmp_path / "mixed"
     for steps, nproc in ((1, 1), (2, 2), (3, 1)):
-        mixed = [*args, f"train.max_steps={steps}", "train.strategy=fsdp", "train.resume=auto", f"train.output_dir={out}"]
+        mixed = [*args, f"train.max_steps={steps}", "train.strategy=fsdp", "train.resume=auto",
+                 f"train.output_dir={out}"]
         if nproc == 1:
             _train_here(*mixed)
         else:

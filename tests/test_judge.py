@@ -6,10 +6,8 @@ served is a random built-in GPT: its answers differ from prompt to prompt and ho
 
 import json
 import math
-import os
 import signal
 import threading
-import time
 import urllib.request
 
 import openai
@@ -83,14 +81,16 @@ def test_request_has_the_rows_reference_rubric_and_retrieved_examples(tmp_path):
         json.dumps({"question": "How many apples are left?", "rubric": "count the apples"}) + "\n" +
         json.dumps({"question": "When does the train arrive?", "rubric": "check the clock"}) + "\n")
     cfg = load_config(None, ["reward.judges.j.base_url=http://127.0.0.1:1/v1", "reward.judges.j.model=m",
-                             f"reward.judges.j.rubrics={tmp_path / 'rubrics.jsonl'}", "reward.judges.j.rubric_examples=1",
-                             "reward.judges.j.system=Be strict.", "reward.functions=[judge:j]"])
+                             f"reward.judges.j.rubrics={tmp_path / 'rubrics.jsonl'}",
+                             "reward.judges.j.rubric_examples=1", "reward.judges.j.system=Be strict.",
+                             "reward.functions=[judge:j]"])
     j = judge.Judge("j", cfg.reward.judges["j"])
     body = j.body([{"role": "system", "content": "sys"}, {"role": "user", "content": "Ann has 3 apples."}],
                   "She has 3.", "#### 3", "exact number")
     assert body["messages"][0] == {"role": "system", "content": "Be strict."}
     text = body["messages"][1]["content"]
-    for part in ("Ann has 3 apples.", "She has 3.", "#### 3", "exact number", "count the apples", "from 0 (worst) to 10"):
+    for part in ("Ann has 3 apples.", "She has 3.", "#### 3", "exact number", "count the apples",
+                 "from 0 (worst) to 10"):
         assert part in text
     assert "check the clock" not in text and "sys" not in text
     assert body["model"] == "m" and body["temperature"] == 0.0
@@ -116,7 +116,8 @@ def test_a_missing_key_variable_is_one_line(monkeypatch):
     monkeypatch.delenv(KEY_ENV, raising=False)
     cfg = load_config(None, [f"reward.judges.j.{k}={json.dumps(v)}" for k, v in JUDGE.items()] +
                       ["reward.judges.j.base_url=http://127.0.0.1:1/v1", "reward.functions=[judge:j]"])
-    with pytest.raises(RewardError, match=f"reward.judges.j.api_key_env: the environment variable {KEY_ENV} is not set"):
+    with pytest.raises(RewardError,
+                       match=f"reward.judges.j.api_key_env: the environment variable {KEY_ENV} is not set"):
         judge.configure(cfg.reward, None)
 
 

@@ -122,4 +122,5 @@ def test_a_missing_data_file_is_one_line_and_exit_2(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"lm_eval_check: error: {tmp_path}: no test.jsonl (gsm8k rows); python scripts/gsm8k_easy.py writes data/gsm8k_easy"]
+        f"lm_eval_check: error: {tmp_path}: no test.jsonl (gsm8k rows); "
+        f"python scripts/gsm8k_easy.py writes data/gsm8k_easy"]

@@ -176,7 +176,8 @@ def test_bfloat16_trains_float32_master_weights_and_resumes_exactly(tmp_path, mo
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
                for p, m in zip(trained, tr.master.master))
     moved_master = sum(int((m != s).sum()) for m, s in zip(tr.master.master, start))
-    moved_only_there = sum(int(((m != s) & (p.float() == s)).sum()) for m, s, p in zip(tr.master.master, start, trained))
+    moved_only_there = sum(int(((m != s) & (p.float() == s)).sum())
+                           for m, s, p in zip(tr.master.master, start, trained))
     assert moved_master > 0 and moved_only_there > 0.3 * moved_master   # lr 1e-5: most steps are below resolution
 
     make_trainer(tmp_path / "parts", *args, "train.max_steps=1").train()

@@ -384,8 +384,8 @@ def test_rows_get_a_data_source_unless_they_have_one(tmp_path, gsm8k_dir):
     path = _write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "answer": "1"},
                                                   {"prompt": "b", "answer": "2", "data_source": "mine"}])
     for overrides, want in [(["data.train_size=5", "data.test_size=3"], ["grpolab/arithmetic"]),
-                            ([f"data.task=gsm8k", f"data.train_path={gsm8k_dir}"], ["openai/gsm8k"]),
-                            ([f"data.task=files", f"data.train_path={path}", f"data.test_path={path}"],
+                            (["data.task=gsm8k", f"data.train_path={gsm8k_dir}"], ["openai/gsm8k"]),
+                            (["data.task=files", f"data.train_path={path}", f"data.test_path={path}"],
                              [path, "mine"])]:
         train, test = load_data(load_config(None, overrides))
         assert sorted({r["data_source"] for r in train + test}) == sorted(want), overrides

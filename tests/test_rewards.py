@@ -12,6 +12,12 @@ from grpolab.rewards.combine import score
 from grpolab.errors import RewardError
 from conftest import GSM8K_DIR, GSM8K_SAMPLE
 from grpolab.data.tasks.gsm8k import load_gsm8k
+from grpolab.rewards import REWARDS, reward_name
+from grpolab.errors import UnknownRewardError
+from grpolab.rewards.format import boxed_content, think_format
+from grpolab.rewards.length import length, make_length_reward
+from grpolab.rewards.accuracy import math_accuracy
+from grpolab.rewards.model import reward_model
 
 
 @pytest.mark.parametrize("completion,answer,want", [
@@ -96,13 +102,6 @@ def test_reward_errors_name_the_function_and_sample(monkeypatch, fn, msg):
 
 
 # ---- math_accuracy (math-verify) ---------------------------------------------------------------
-
-from grpolab.rewards import REWARDS, reward_name
-from grpolab.errors import UnknownRewardError
-from grpolab.rewards.format import boxed_content, think_format
-from grpolab.rewards.length import length, make_length_reward
-from grpolab.rewards.accuracy import math_accuracy
-from grpolab.rewards.model import reward_model
 
 NATALIA = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.\n#### 72"
 

@@ -7,8 +7,6 @@ decode path) and its log-probs against a plain full forward; batched and one-at-
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -17,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from conftest import ROOT, run_cli, running_server
+from conftest import run_cli, running_server
 from grpolab.data.tasks import arithmetic
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout.engine import generate
@@ -145,7 +143,7 @@ def test_bad_requests_get_openai_errors(client, server):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        presence_penalty=0.0, user="someone")
     assert r.choices[0].finish_reason in ("stop", "length")
-    r = httpx.post(server + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [', 
+    r = httpx.post(server + "/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/completions", json={"model": "tiny"})   # no prompt

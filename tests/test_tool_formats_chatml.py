@@ -105,7 +105,8 @@ def test_a_sampled_call_parses_to_the_call(tok, calc):
     assert fmt.calls_in(ids(tok, CALL) + end) == [("calculator", {"expression": "12*34"})]
     assert fmt.calls_in(ids(tok, "Let me work it out. " + CALL) + end) == [("calculator", {"expression": "12*34"})]
     # SmolLM2's own habit: a JSON list of calls in one block
-    two = '<tool_call>[{"name": "calculator", "arguments": {"expression": "1+1"}}, {"name": "f", "arguments": {}}]</tool_call>'
+    two = ('<tool_call>[{"name": "calculator", "arguments": {"expression": "1+1"}}, '
+           '{"name": "f", "arguments": {}}]</tool_call>')
     assert fmt.calls_in(ids(tok, two) + end) == [("calculator", {"expression": "1+1"}), ("f", {})]
     assert fmt.calls_in(ids(tok, "The answer is 408.") + end) is None   # an ordinary end of turn
     bad = fmt.calls_in(ids(tok, "<tool_call>{oops}</tool_call>") + end)
@@ -126,7 +127,8 @@ def test_results_give_the_tokens_of_the_whole_conversation(tok, calc, smol_dir):
                                        "7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     ours = prompt + ids(tok, CALL) + [end] + results + ids(tok, "It is 408.") + [end]
     turns = [("system", SMOL_SYSTEM + "\n\n" + tools_block(schemas(calc))), ("user", "What is 12*34?"),
-             ("assistant", CALL), ("user", "<tool_response>\n408\n</tool_response>\n<tool_response>\n7\n</tool_response>"),
+             ("assistant", CALL),
+             ("user", "<tool_response>\n408\n</tool_response>\n<tool_response>\n7\n</tool_response>"),
              ("assistant", "It is 408.")]
     by_hand = chatml(turns, open_assistant=False)
     assert ours == ids(tok, by_hand.removesuffix("\n"))
@@ -145,8 +147,10 @@ def test_without_tools_the_template_renders_as_before(tok, calc, smol_dir):
     tool_format(tok, schemas(calc), "SmolLM2-135M-Instruct")
     assert tok.tok.chat_template != original
     chats = [[{"role": "user", "content": "hi"}],
-             [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]]
+             [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "yo"}],
+             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+              {"role": "user", "content": "c"}]]
     for chat in chats:
         for gen in (False, True):
             assert (tok.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
@@ -172,7 +176,8 @@ def test_a_saved_checkpoint_renders_tools_as_the_run_did(tok, calc, tmp_path):
     assert again.render_prompt("What is 12*34?") == want
 
 
-CHATML_WITH_TOOLS = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> "
+CHATML_WITH_TOOLS = ("{% if tools %}<|im_start|>system\n"
+                     "<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> "
                      "call with <tool_call>{json}</tool_call><|im_end|>\n{% endif %}")
 TURN = "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
 GEN = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -197,7 +202,8 @@ BROKEN = {
 def test_a_template_that_renders_the_last_turn_apart_still_works(tok, calc):
     """Like Qwen3's (an empty think block on a final assistant turn only): what counts is that the conversation
     with the results continues the prompt, not how a conversation ending on that turn looks."""
-    tok.tok.chat_template = (CHATML_WITH_TOOLS + "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+    tok.tok.chat_template = (CHATML_WITH_TOOLS +
+                             "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
                              "<|im_start|>assistant\n<think>\n\n</think>\n\n{{ m['content'] }}<|im_end|>\n"
                              "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
                              "</tool_response><|im_end|>\n{% else %}" + TURN + "{% endif %}{% endfor %}" + GEN)

@@ -31,7 +31,8 @@ def tool_model(tmp_path_factory):
     answer = tok.encode("It is 408.") + [tok.eos_id]
     call = tok.encode(CALL) + [tok.eos_id]
     ids = torch.tensor([prompt + call + result + answer])
-    loss_mask = torch.tensor([[False] * len(prompt) + [True] * len(call) + [False] * len(result) + [True] * len(answer)])
+    loss_mask = torch.tensor([[False] * len(prompt) + [True] * len(call) + [False] * len(result)
+                              + [True] * len(answer)])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(150):

@@ -131,7 +131,8 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
                         loss_agg_mode: str = "token-mean", epsilon: float = 0.2,
                         epsilon_high: float | None = None, clip_ratio_c: float | None = None,
                         max_new_tokens: int | None = None, global_tokens: float | None = None,
-                        global_seqs: float | None = None, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                        global_seqs: float | None = None,
+                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Scalar policy loss and metrics.
 
     logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). global_tokens/global_seqs

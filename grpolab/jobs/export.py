@@ -148,7 +148,8 @@ def _export_gpt(model, out: Path, dtype: str) -> str:
         qkv = sd[f"blocks.{i}.qkv.weight"]   # rows: H query heads, then H key heads, then H value heads
         p = f"model.layers.{i}."
         new.update({p + "self_attn.q_proj.weight": qkv[:C], p + "self_attn.k_proj.weight": qkv[C:2 * C],
-                    p + "self_attn.v_proj.weight": qkv[2 * C:], p + "self_attn.o_proj.weight": sd[f"blocks.{i}.proj.weight"],
+                    p + "self_attn.v_proj.weight": qkv[2 * C:],
+                    p + "self_attn.o_proj.weight": sd[f"blocks.{i}.proj.weight"],
                     p + "mlp.up_proj.weight": sd[f"blocks.{i}.fc.weight"],
                     p + "mlp.down_proj.weight": sd[f"blocks.{i}.fc_out.weight"],
                     p + "input_layernorm.weight": torch.ones(C), p + "post_attention_layernorm.weight": torch.ones(C)})

@@ -10,7 +10,8 @@ from ..errors import ConfigError
 from ..data.loading import normalize_rows, read_records
 from ..data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
 from ..monitor.console import Console
-from .common import (EVAL_KEYS, make_console, model_device, write_run_report, check_resume_job, setup_torch, write_run_config)
+from .common import (EVAL_KEYS, make_console, model_device, write_run_report, check_resume_job, setup_torch,
+                     write_run_config)
 from .inputs import configure_rewards, load_data, load_policy
 from ..models.checkpoint import find_resume_checkpoint, load_model
 from ..train.memory_budget import check_eval_memory
@@ -45,7 +46,8 @@ def task_rows(cfg: Config, console: Console) -> tuple[list[dict], list[dict], st
     return train, normalize_rows(records, answer_key=d.answer_key, source=test_src, **opts), None
 
 
-def sft_data(cfg: Config, train_task: list[dict], test_task: list[dict], path: str | None) -> tuple[list[dict], list[dict]]:
+def sft_data(cfg: Config, train_task: list[dict], test_task: list[dict],
+             path: str | None) -> tuple[list[dict], list[dict]]:
     """(SFT rows, held-out SFT rows) for sft and logits distillation: `path` (sft.train_path,
     distill.train_path), else the task's (built-in: prompt + worked answer; files: data.train_path's
     prompt/completion or messages rows)."""

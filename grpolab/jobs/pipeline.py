@@ -139,7 +139,8 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
         out = run_dir / ("pairs.jsonl" if cfg.sample.pairs else "samples.jsonl")
         stats = sample.run(model_from, cfg, out, console)
         if not stats.get("pairs", stats.get("accepted")):
-            raise DataError(f"stages[{n}] (sample): no {'pairs' if cfg.sample.pairs else 'completion reached sample.min_reward'}"
+            what = "pairs" if cfg.sample.pairs else "completion reached sample.min_reward"
+            raise DataError(f"stages[{n}] (sample): no {what}"
                             f" among {stats['samples']} samples, so the next stage has nothing to train on; lower "
                             f"sample.min_reward, raise sample.k / sample.num_prompts, or train longer before it")
         return {**rec, "output": str(out), "pairs": cfg.sample.pairs, "sample": stats}
@@ -165,4 +166,5 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
 
 def _eval_setup(cfg: Config) -> str:
     """What a held-out eval depends on besides the model: equal setups give equal numbers."""
-    return json.dumps([cfg.eval.__dict__, cfg.data.__dict__, cfg.rollout.max_new_tokens, cfg.train.seed], sort_keys=True)
+    return json.dumps([cfg.eval.__dict__, cfg.data.__dict__, cfg.rollout.max_new_tokens, cfg.train.seed],
+                      sort_keys=True)

@@ -32,7 +32,8 @@ SAMPLE_SALT = 0x736D706C   # 'smpl': never the keys of the training rollouts of 
 def select_accepted(completions: list[str], rewards: list[float], min_reward: float, max_per_prompt: int) -> list[int]:
     """Indices of the completions to keep for one prompt: reward >= min_reward, not empty, best first
     (ties in sampling order), distinct texts, at most max_per_prompt."""
-    order = sorted((i for i, r in enumerate(rewards) if not math.isnan(r) and r >= min_reward and completions[i].strip()),
+    order = sorted((i for i, r in enumerate(rewards)
+                    if not math.isnan(r) and r >= min_reward and completions[i].strip()),
                    key=lambda i: -rewards[i])
     seen, out = set(), []
     for i in order:
@@ -74,7 +75,8 @@ def run(checkpoint: str, cfg: Config, out: str | Path, console: Console | None =
     for start in range(0, len(rows), per):
         chunk = rows[start:start + per]
         ids = torch.arange(start, start + len(chunk))
-        keys = completion_keys(cfg.train.seed ^ SAMPLE_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
+        keys = completion_keys(cfg.train.seed ^ SAMPLE_SALT, ids.repeat_interleave(k),
+                               torch.arange(k).repeat(len(chunk)))
         gen = generate(model, [tok.render_prompt(x["prompt"]) for x in chunk], num_generations=k,
                        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                        stop_ids=tok.stop_ids, pad_id=tok.pad_id, keys=keys, tools=tools)

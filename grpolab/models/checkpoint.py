@@ -604,7 +604,8 @@ def _load_plain(path: Path):
                               f"containers (loaded with torch.load(weights_only=True), so loading can never run "
                               f"code); grpolab writes no such file: resume only from checkpoints you trust") from None
     except (RuntimeError, EOFError, OSError) as e:   # truncated or not a torch file at all
-        raise CheckpointError(f"{path}: cannot be read ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot be read ({why}); "
                               f"resume from an earlier checkpoint") from None
 
 

@@ -41,7 +41,8 @@ def _rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 def _per_head(table: torch.Tensor, value_fill: float, n_head: int) -> torch.Tensor:
     """(T, D) table -> (3H, T, D): the table for query and key heads, a constant for value heads."""
-    return torch.cat([table[None].expand(2 * n_head, -1, -1), torch.full_like(table, value_fill)[None].expand(n_head, -1, -1)])
+    return torch.cat([table[None].expand(2 * n_head, -1, -1),
+                      torch.full_like(table, value_fill)[None].expand(n_head, -1, -1)])
 
 
 class KVCache:
@@ -176,7 +177,8 @@ class GPT(nn.Module):
         if per_row:   # positions from each row's real-token count; (B, 3H, T, D) tables
             pos = cache.count[:, None] + key_valid.long().cumsum(-1) - 1
             if int(pos.max()) >= self.config.block_size:
-                raise ValueError(f"a row reaches position {int(pos.max())}, beyond model.block_size={self.config.block_size}")
+                raise ValueError(f"a row reaches position {int(pos.max())}, "
+                                 f"beyond model.block_size={self.config.block_size}")
             pos = pos.clamp(min=0)
             cache.count = cache.count + key_valid.sum(-1)
             cos, sin = self.cos[:, pos].transpose(0, 1), self.sin[:, pos].transpose(0, 1)

@@ -182,8 +182,9 @@ class HermesFormat:
 # of calls in one <tool_call> block that SmolLM2-Instruct was trained to write.
 _IM_START, _IM_END = "<|im_start|>", "<|im_end|>"
 _TOOLS_INTRO = "# Tools\n\nYou can call the functions whose JSON schemas are listed inside <tools></tools>:\n<tools>"
-_TOOLS_OUTRO = ("\n</tools>\n\nTo call one, write its name and arguments as a JSON object inside <tool_call></tool_call> "
-                "and end your turn:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n"
+_TOOLS_OUTRO = ("\n</tools>\n\nTo call one, write its name and arguments as a JSON object inside "
+                "<tool_call></tool_call> and end your turn:\n"
+                "<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n"
                 "</tool_call>\nEach result comes back inside <tool_response></tool_response>.")
 
 

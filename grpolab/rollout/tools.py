@@ -182,7 +182,8 @@ class ToolRunner:
                 continue
             name, args = c
             if fut is None:
-                out.append(CallRecord(name, args, f"error: unknown tool {name!r}; tools: {', '.join(self.tools)}", True))
+                out.append(CallRecord(name, args, f"error: unknown tool {name!r}; tools: {', '.join(self.tools)}",
+                                      True))
                 continue
             try:
                 text, err = fut.result(timeout=self.timeout), False

@@ -122,7 +122,8 @@ class Server:
     def _params(self, r: _Sampling, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if prompt_len >= self.context:
             raise APIError(f"the prompt is {prompt_len} tokens, but the model's context is {self.context} tokens "
-                           f"(prompt plus completion); shorten the prompt", "prompt" if hasattr(r, "prompt") else "messages")
+                           f"(prompt plus completion); shorten the prompt",
+                           "prompt" if hasattr(r, "prompt") else "messages")
         room = self.context - prompt_len
         if max_tokens is None:
             max_tokens = room
@@ -227,7 +228,8 @@ def create_app(server: Server) -> FastAPI:
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
-            msg, param = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+            why = first.get("ctx", {}).get("error", "parse error")
+            msg, param = f"the request body is not valid JSON ({why})", None
         else:
             param = ".".join(loc) or None
             msg = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))

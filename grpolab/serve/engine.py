@@ -20,7 +20,8 @@ def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | No
         raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
     model, tok = load_model(model_path, dtype=dtype, device=device)
     model.eval()
-    if isinstance(model, HFPolicy) and has_lora(model) and hasattr(model.hf, "merge_and_unload"):   # never trains: merged, the lean path applies
+    # never trains: merged, the lean path applies
+    if isinstance(model, HFPolicy) and has_lora(model) and hasattr(model.hf, "merge_and_unload"):
         model.hf = model.hf.merge_and_unload()
     if isinstance(model, HFPolicy):
         limit = getattr(model.config, "max_position_embeddings", None) or 2048

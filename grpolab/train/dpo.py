@@ -20,7 +20,7 @@ from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
 from ..models.lora import adapters_off
 from ..models.logprobs import summed_logprobs
-from .loop import OfflineTrainer
+from .base import OfflineTrainer
 from .sft import model_context, task_eval
 
 

@@ -12,7 +12,6 @@ One step:
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import random
@@ -44,11 +43,12 @@ from ..rollout.keys import completion_keys
 from ..monitor.console import StepProgress
 from ..monitor.trackers import Trackers
 from ..models import set_gradient_checkpointing
-from ..models.lora import adapters_off, add_lora, has_lora, lora_config
+from ..models.lora import add_lora, has_lora, lora_config
 from .critic import CriticTrainer
 from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
 from ..models.checkpoint import (cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint)
 from ..models.logprobs import completion_logprobs
+from ..models.reference import frozen_reference, reference
 from .master import MasterWeights
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
@@ -132,7 +132,7 @@ class GRPOTrainer:
         self.lora = has_lora(model)
         # Frozen reference for the KL term; not kept at all when beta == 0. With LoRA it is the policy
         # with its adapters off: no second copy.
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.beta > 0 and not self.lora else None
+        self.ref = frozen_reference(model) if a.beta > 0 else None
         # train.strategy=fsdp: policy and reference sharded over the ranks (sharding.py); the optimizer
         # is built on the shards
         self.sharded = cfg.train.strategy == "fsdp" and self.world.size > 1
@@ -406,12 +406,10 @@ class GRPOTrainer:
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
-        if self.lora and self.cfg.algorithm.beta > 0:   # the base model: the policy with its adapters off
-            with adapters_off(self.model):
-                return self._frozen_logprobs(self.model, batch.gen)
-        if self.ref is None:
+        if not self.cfg.algorithm.beta > 0:
             return None
-        return self._frozen_logprobs(self.ref, batch.gen)
+        with reference(self.model, self.ref) as ref:   # under LoRA: the policy with its adapters off
+            return self._frozen_logprobs(ref, batch.gen)
 
     def _frozen_logprobs(self, model, g) -> torch.Tensor:
         """Log-probs of the sampled tokens without autograd bookkeeping (inference mode is cheaper than

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from ..monitor.console import PROGRESS_SECONDS, StepProgress
 from ..monitor.trackers import Trackers
+from ..data.stream import RowStream
 from ..models import set_gradient_checkpointing
 from ..models.lora import add_lora, has_lora, lora_config
 from .finite_step import count_nonfinite, overflowed, restore, snapshot
@@ -31,36 +31,6 @@ from .stop import StopFlag
 from ..errors import TrainingError
 
 BETAS = (0.9, 0.95)   # AdamW betas of the offline stages (the warm start's since the first release)
-
-
-class RowStream:
-    """Row indices in a seeded order: one shuffled pass after another, drawn `n` at a time (a batch
-    may span two passes). Its state is how many have been drawn: a restore replays the shuffles."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed = n, seed
-        self.restore({"drawn": 0})
-
-    def next(self, k: int) -> list[int]:
-        while len(self._buf) < k:
-            perm = list(range(self.n))
-            self._rng.shuffle(perm)
-            self._buf += perm
-        out, self._buf = self._buf[:k], self._buf[k:]
-        self.drawn += k
-        return out
-
-    @property
-    def epoch(self) -> float:
-        return self.drawn / max(1, self.n)
-
-    def state(self) -> dict:
-        return {"drawn": self.drawn}
-
-    def restore(self, state: dict) -> None:
-        self._rng, self._buf, self.drawn = random.Random(self.seed), [], 0
-        if state["drawn"]:
-            self.next(state["drawn"])
 
 
 def total_steps(settings, n_rows: int) -> int:
@@ -191,7 +161,7 @@ class OfflineTrainer:
         self.progress.end_step()
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": loss_sum, **self.step_metrics(sums, total), "lr": lr, "grad_norm": norm,
-                "epoch": self.stream.epoch, "time/step": dt}
+                "epoch": self.stream.passes, "time/step": dt}
 
     def evaluate(self) -> dict:
         self.model.eval()

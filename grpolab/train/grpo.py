@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..algorithms.losses import compute_policy_loss
 from .. import distributed as dist
 from .. import sharding
 from ..config import Config
+from ..data.stream import RowStream
 from ..errors import ConfigError, TrainingError
 from .evaluate import evaluate, score_samples
 from ..rollout.tool_decode import build_tool_use, tool_metrics
@@ -54,42 +54,6 @@ from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
 from .stop import StopFlag
 
-
-
-class PromptSampler:
-    """Deterministic pass over the train rows, reshuffled each epoch from the seed."""
-
-    def __init__(self, rows: list[dict], seed: int) -> None:
-        self.rows, self.seed = rows, seed
-        self.epoch, self.index = 0, 0
-        self._order = self._perm(0)
-
-    def _perm(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def next(self, n: int) -> list[dict]:
-        out = []
-        while len(out) < n:
-            if self.index == len(self._order):
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._perm(self.epoch)
-            out.append(self.rows[self._order[self.index]])
-            self.index += 1
-        return out
-
-    @property
-    def drawn(self) -> int:
-        """How many prompts have been drawn so far: the draw number of the next one (keys its samples)."""
-        return self.epoch * len(self.rows) + self.index
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def restore(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self._order = self._perm(self.epoch)
 
 
 class GRPOTrainer:
@@ -152,7 +116,8 @@ class GRPOTrainer:
                                      betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
-        self.sampler = PromptSampler(train_rows, cfg.train.seed)
+        self.train_rows = train_rows
+        self.sampler = RowStream(len(train_rows), cfg.train.seed, keyed=True)   # the prompts' order
         self.device = next(model.parameters()).device
         # kept in checkpoints for older runs; rollouts and eval samples are keyed (rollout/keys.py) instead
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
@@ -182,7 +147,7 @@ class GRPOTrainer:
     def rollout(self) -> RolloutBatch:
         r = self.cfg.rollout
         first = self.sampler.drawn
-        rows = self.sampler.next(r.prompts_per_step)   # the step's prompts: the same list on every rank
+        rows = [self.train_rows[i] for i in self.sampler.next(r.prompts_per_step)]   # the same on every rank
         draws = torch.arange(first, first + len(rows))
         if self.world.size > 1:                          # this rank's share: whole groups, in order
             k = len(rows) // self.world.size
@@ -268,7 +233,7 @@ class GRPOTrainer:
         stats = {"time/generate": 0.0, "time/reward": 0.0}
         self.logged_metrics = {}
         s = self.sampler
-        self.epoch_at_step = s.epoch + s.index / max(1, len(s.rows))
+        self.epoch_at_step = s.epoch + s.index / max(1, s.n)
         kept: list[RolloutBatch] = []
         n_groups, first = 0, None
         for rnd in range(1, a.max_sampling_rounds + 1):

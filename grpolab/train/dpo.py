@@ -18,7 +18,7 @@ from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
 from ..models.logprobs import summed_logprobs
 from ..models.reference import frozen_reference, reference
-from .base import OfflineTrainer
+from .offline import OfflineTrainer
 from .sft import model_context, task_eval
 
 
@@ -32,10 +32,6 @@ class DPOTrainer(OfflineTrainer):
         self.max_length = model_context(model) or 10 ** 9
         self.chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
         self.test_rows = (test_rows or [])[:cfg.eval.num_problems]
-
-    @property
-    def ref_model(self):
-        return self.ref
 
     def units(self, rows: list[dict]) -> list:
         """(chosen, rejected) examples per pair, each cut to the model's context."""

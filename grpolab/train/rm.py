@@ -15,7 +15,7 @@ import torch
 
 from ..algorithms.losses import bradley_terry_loss
 from ..rewards.calling import completion_text
-from .base import OfflineTrainer
+from .offline import OfflineTrainer
 
 PairIds = tuple[list[int], list[int], float]   # chosen ids, rejected ids, margin
 

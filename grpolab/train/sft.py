@@ -16,7 +16,7 @@ from .evaluate import evaluate
 from ..monitor.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
 from ..models.logprobs import token_logprobs
-from .base import OfflineTrainer, total_steps
+from .offline import OfflineTrainer, total_steps
 from .schedule import lr_factor
 from ..data.tasks import arithmetic, pyfunc
 

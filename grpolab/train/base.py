@@ -255,10 +255,15 @@ class Trainer:
         """A callable writing extra files into the checkpoint directory (e.g. the critic's), or None."""
         return None
 
+    @property
+    def ref_model(self):
+        """The frozen reference saved with the checkpoints (None: none, or the policy with LoRA off)."""
+        return self.ref
+
     def load_state(self, ckpt: str | Path, weights: bool) -> dict:
         """Weights (unless `weights` is False), reference, optimizer and master weights from a checkpoint;
         returns the rest of its training state."""
-        state = load_training_state(ckpt, self.model if weights else None, self.ref)
+        state = load_training_state(ckpt, self.model if weights else None, self.ref_model)
         self.opt.load_state_dict(state["optimizer"])
         if self.master and state.get("master") is not None:
             self.master.load(state["master"])
@@ -273,7 +278,7 @@ class Trainer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
-                               optimizer=self.opt, scheduler=self.sched, rng=rng, ref_model=self.ref,
+                               optimizer=self.opt, scheduler=self.sched, rng=rng, ref_model=self.ref_model,
                                full_states=full, master_weights=self.master.master if self.master else None,
                                extra=self.checkpoint_extra(),
                                trainer_state={"job": self.job, **self.extra_state(),

@@ -25,9 +25,10 @@ from ..utils.padding import pad_sequences
 from .gpt import GPT, GPTConfig
 from .tokenizer import CharTokenizer
 from .checkpoint import checkpoint_job, load_model, load_ref_weights
-from .lora import adapters_off, add_lora, has_lora
+from .lora import add_lora, has_lora
 from ..data.supervised import as_sft_row, collate, encode
 from .logprobs import summed_logprobs
+from .reference import reference
 
 BUILTIN_RM = "builtin-rm"
 
@@ -214,11 +215,8 @@ class ImplicitRewardModel(nn.Module):
         dev = next(self.policy.parameters()).device
         b = {k: v.to(dev) for k, v in collate(batch, self.tok.pad_id).items()}
         logp = summed_logprobs(self.policy, b)
-        if self.ref is not None:
-            ref = summed_logprobs(self.ref, b)
-        else:
-            with adapters_off(self.policy):
-                ref = summed_logprobs(self.policy, b)
+        with reference(self.policy, self.ref) as r:
+            ref = summed_logprobs(r, b)
         return self.beta * (logp - ref)
 
 

@@ -11,16 +11,14 @@ logps/chosen, logps/rejected.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from ..algorithms.losses import dpo_loss
 from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
-from ..models.lora import adapters_off
 from ..models.logprobs import summed_logprobs
-from .loop import OfflineTrainer
+from ..models.reference import frozen_reference, reference
+from .offline import OfflineTrainer
 from .sft import model_context, task_eval
 
 
@@ -30,14 +28,10 @@ class DPOTrainer(OfflineTrainer):
     def __init__(self, cfg, model, tokenizer, pairs: list[dict], *, test_rows: list[dict] | None = None,
                  run_dir=None, console=None) -> None:
         super().__init__(cfg, cfg.dpo, model, tokenizer, pairs, run_dir=run_dir, console=console)
-        self.ref = None if self.lora else copy.deepcopy(model).eval().requires_grad_(False)
+        self.ref = frozen_reference(model)
         self.max_length = model_context(model) or 10 ** 9
         self.chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
         self.test_rows = (test_rows or [])[:cfg.eval.num_problems]
-
-    @property
-    def ref_model(self):
-        return self.ref
 
     def units(self, rows: list[dict]) -> list:
         """(chosen, rejected) examples per pair, each cut to the model's context."""
@@ -61,12 +55,8 @@ class DPOTrainer(OfflineTrainer):
         b = {k: v.to(self.device) for k, v in collate([c for c, _ in units] + [r for _, r in units],
                                                       self.tok.pad_id).items()}
         seq = self._seq_logps(self.model, b)
-        with torch.no_grad():
-            if self.ref is not None:
-                ref = self._seq_logps(self.ref, b)
-            else:
-                with adapters_off(self.model):
-                    ref = self._seq_logps(self.model, b)
+        with torch.no_grad(), reference(self.model, self.ref) as r:
+            ref = self._seq_logps(r, b)
         losses, cr, rr = dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], beta=d.beta, loss_type=d.loss_type,
                                   label_smoothing=d.label_smoothing)
         sums = {"rewards/chosen": float(cr.sum()), "rewards/rejected": float(rr.sum()),

@@ -11,91 +11,55 @@ One step:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import math
-import random
 import time
 from pathlib import Path
 
 import torch
 
-from ..algorithms.advantages import (TOKEN_ESTIMATORS, compute_advantages, compute_gae, compute_reinforce_plus_plus, compute_remax, token_level_rewards)
-from ..algorithms.rollout_correction import rollout_correction
-from ..algorithms.aggregate import aggregate
-from ..algorithms.kl import apply_kl_in_reward, kl_penalty
-from ..algorithms.ref_sync import ref_sync
-from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
-from ..algorithms.losses import compute_policy_loss
 from .. import distributed as dist
 from .. import sharding
+from ..algorithms.advantages import (TOKEN_ESTIMATORS, compute_advantages, compute_gae, compute_reinforce_plus_plus,
+                                     compute_remax, token_level_rewards)
+from ..algorithms.aggregate import aggregate
+from ..algorithms.kl import apply_kl_in_reward, kl_penalty
+from ..algorithms.losses import compute_policy_loss
+from ..algorithms.ref_sync import ref_sync
+from ..algorithms.rollout_correction import rollout_correction
+from ..algorithms.shaping import dynamic_sampling_keep, overlong_penalty
 from ..config import Config
-from ..errors import ConfigError, TrainingError
-from .evaluate import evaluate, score_samples
-from ..rollout.tool_decode import build_tool_use, tool_metrics
+from ..data.stream import RowStream
+from ..errors import ConfigError, NonFiniteLogits, TrainingError
+from ..models import set_gradient_checkpointing
+from ..models.checkpoint import load_model, load_training_state, read_ref_state
+from ..models.logprobs import completion_logprobs
+from ..models.reference import frozen_reference, reference
 from ..rewards import reward_name, reward_names, wants_policy
-from ..rewards.intrinsic import PolicyView
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
+from ..rewards.intrinsic import PolicyView
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import generate
-from ..errors import NonFiniteLogits
 from ..rollout.keys import completion_keys
-from ..monitor.console import StepProgress
-from ..monitor.trackers import Trackers
-from ..models import set_gradient_checkpointing
-from ..models.lora import adapters_off, add_lora, has_lora, lora_config
+from ..rollout.tool_decode import build_tool_use, tool_metrics
+from .base import Trainer
 from .critic import CriticTrainer
-from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
-from ..models.checkpoint import (cut_logs, drop_final_eval, load_model, load_training_state, prune_checkpoints, read_ref_state, save_checkpoint)
-from ..models.logprobs import completion_logprobs
-from .master import MasterWeights
+from .evaluate import evaluate, score_samples
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
-from .stop import StopFlag
 
 
 
-class PromptSampler:
-    """Deterministic pass over the train rows, reshuffled each epoch from the seed."""
+class GRPOTrainer(Trainer):
+    """The RL step on the trainer shell (train/base.py): rollout, scoring, advantages, the mu-pass update,
+    the critic's hooks; checkpoints add the prompts' position, the std filter's average and the critic."""
 
-    def __init__(self, rows: list[dict], seed: int) -> None:
-        self.rows, self.seed = rows, seed
-        self.epoch, self.index = 0, 0
-        self._order = self._perm(0)
+    job = "grpo"
+    collective = True   # with several ranks every skip and stop is decided over all of them
+    bad_data = "check the reward functions"
 
-    def _perm(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def next(self, n: int) -> list[dict]:
-        out = []
-        while len(out) < n:
-            if self.index == len(self._order):
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._perm(self.epoch)
-            out.append(self.rows[self._order[self.index]])
-            self.index += 1
-        return out
-
-    @property
-    def drawn(self) -> int:
-        """How many prompts have been drawn so far: the draw number of the next one (keys its samples)."""
-        return self.epoch * len(self.rows) + self.index
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def restore(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self._order = self._perm(self.epoch)
-
-
-class GRPOTrainer:
     def __init__(self, cfg: Config, model, tokenizer, train_rows: list[dict], test_rows: list[dict],
                  run_dir: str | Path, console=None) -> None:
-        self.cfg, self.model, self.tok = cfg, model, tokenizer
         self.world = dist.world_from_env()
         if self.world.size > 1:
             self._check_world(cfg)
@@ -110,14 +74,12 @@ class GRPOTrainer:
             model.lean_decode = cfg.rollout.lean_decode
         if cfg.model.gradient_checkpointing:
             set_gradient_checkpointing(model, True)
+        # progress inside a long step (phase, rows, tokens/s) on rank 0's console; only rank 0 writes files
+        super().__init__(cfg, model, tokenizer, run_dir, console, writes=self.world.main,
+                         talk=console is not None and self.world.main and getattr(console, "level", 0) >= 1)
+        self.max_steps = cfg.train.max_steps
         self.logprob_chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
         self.test_rows = test_rows[:cfg.eval.num_problems]
-        self.run_dir = Path(run_dir)
-        self.console = console
-        # progress inside a long step (phase, rows, tokens/s), rank 0's console only: output, never numbers
-        talk = console is not None and self.world.main and getattr(console, "level", 0) >= 1
-        self.progress = StepProgress(console.info if talk else None)
-        self.final_eval: dict | None = None   # the held-out eval after the last step (train(final_eval=True))
         a, o = cfg.algorithm, cfg.optim
         self.wants_policy = any(wants_policy(f) for f in cfg.reward.functions)   # intrinsic rewards
         if a.adv_estimator == "remax" and self.wants_policy:
@@ -126,13 +88,10 @@ class GRPOTrainer:
         # PPO's critic (adv_estimator=gae): a copy of the starting policy, taken before LoRA, plus a value head
         self.critic = CriticTrainer(cfg, model) if a.adv_estimator == "gae" else None
         self.std_ema: float | None = None   # RLPR's std filter: moving average of the batches' mean group std
-        # LoRA (model.lora_rank): adapters on the blocks, the rest frozen; a checkpoint may bring its own
-        if cfg.model.lora_rank and not has_lora(model):
-            add_lora(model, lora_config(cfg.model, model))
-        self.lora = has_lora(model)
+        self.attach_lora()
         # Frozen reference for the KL term; not kept at all when beta == 0. With LoRA it is the policy
         # with its adapters off: no second copy.
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.beta > 0 and not self.lora else None
+        self.ref = frozen_reference(model) if a.beta > 0 else None
         # train.strategy=fsdp: policy and reference sharded over the ranks (sharding.py); the optimizer
         # is built on the shards
         self.sharded = cfg.train.strategy == "fsdp" and self.world.size > 1
@@ -144,21 +103,14 @@ class GRPOTrainer:
             sharding.shard(model)
             if self.ref is not None:
                 sharding.shard(self.ref, frozen=True)
-        # the trained parameters only (all of them, or LoRA's adapters): no optimizer state for frozen ones
-        trained = [p for p in model.parameters() if p.requires_grad]
-        # bfloat16/float16 weights: the optimizer steps float32 master copies (train/master.py)
-        self.master = MasterWeights(trained) if MasterWeights.needed(trained) and not self.sharded else None
-        self.opt = torch.optim.AdamW(self.master.master if self.master else trained, lr=o.lr,
-                                     betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule))
-        self.sampler = PromptSampler(train_rows, cfg.train.seed)
-        self.device = next(model.parameters()).device
+        # sharded: fsdp keeps the optimizer's state on the shards (no master copies)
+        self.build_optimizer(o.lr, (o.beta1, o.beta2), o.weight_decay,
+                             lambda s: lr_factor(s, o.warmup_steps, cfg.train.max_steps, o.lr_schedule),
+                             master=not self.sharded)
+        self.train_rows = train_rows
+        self.sampler = RowStream(len(train_rows), cfg.train.seed, keyed=True)   # the prompts' order
         # kept in checkpoints for older runs; rollouts and eval samples are keyed (rollout/keys.py) instead
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed)
-        self.step = 0
-        self.bad_steps = 0
-        self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
         self.reward_names = reward_names(cfg.reward.functions)   # spec -> metric name, unique
         self.logged_metrics: dict[str, list[float]] = {}          # reward functions' log_metric values, this step
         self.epoch_at_step = 0.0
@@ -182,7 +134,7 @@ class GRPOTrainer:
     def rollout(self) -> RolloutBatch:
         r = self.cfg.rollout
         first = self.sampler.drawn
-        rows = self.sampler.next(r.prompts_per_step)   # the step's prompts: the same list on every rank
+        rows = [self.train_rows[i] for i in self.sampler.next(r.prompts_per_step)]   # the same on every rank
         draws = torch.arange(first, first + len(rows))
         if self.world.size > 1:                          # this rank's share: whole groups, in order
             k = len(rows) // self.world.size
@@ -268,7 +220,7 @@ class GRPOTrainer:
         stats = {"time/generate": 0.0, "time/reward": 0.0}
         self.logged_metrics = {}
         s = self.sampler
-        self.epoch_at_step = s.epoch + s.index / max(1, len(s.rows))
+        self.epoch_at_step = s.epoch + s.index / max(1, s.n)
         kept: list[RolloutBatch] = []
         n_groups, first = 0, None
         for rnd in range(1, a.max_sampling_rounds + 1):
@@ -406,12 +358,10 @@ class GRPOTrainer:
 
     def ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Reference log-probs of the sampled tokens, one no-grad pass (None without a reference)."""
-        if self.lora and self.cfg.algorithm.beta > 0:   # the base model: the policy with its adapters off
-            with adapters_off(self.model):
-                return self._frozen_logprobs(self.model, batch.gen)
-        if self.ref is None:
+        if not self.cfg.algorithm.beta > 0:
             return None
-        return self._frozen_logprobs(self.ref, batch.gen)
+        with reference(self.model, self.ref) as ref:   # under LoRA: the policy with its adapters off
+            return self._frozen_logprobs(ref, batch.gen)
 
     def _frozen_logprobs(self, model, g) -> torch.Tensor:
         """Log-probs of the sampled tokens without autograd bookkeeping (inference mode is cheaper than
@@ -499,24 +449,8 @@ class GRPOTrainer:
             clipped = self.master.master if self.master else self.model.parameters()
             norm = sharding.grad_norm(torch.nn.utils.clip_grad_norm_(clipped, max_norm))
             grad_norms.append(norm)
-            # decided on the global loss, so that every rank skips or applies the same steps
-            if not (math.isfinite(norm) and math.isfinite(dist.sum_floats(sums["loss"])[0])):
-                self._bad_step(sums["loss"], norm)   # skip: an update with NaN/inf would ruin the weights
-                break
-            saved = snapshot(self.opt) if self.cfg.train.undo_nonfinite_updates else None
-            self.opt.step()
-            if self.master:
-                self.master.weights_out()
-            # a finite gradient can still overflow the weights (a huge lr): such weights are never saved
-            bad = count_nonfinite(params_of(self.opt)) + (
-                count_nonfinite(p for p in self.model.parameters() if p.requires_grad) if self.master else 0)
-            if dist.sum_floats(float(bad))[0] > 0:
-                if saved is None:
-                    raise TrainingError(self._nonfinite_weights(sums["loss"], norm))
-                restore(self.opt, saved)
-                if self.master:
-                    self.master.weights_out()
-                self._bad_step(sums["loss"], norm, weights=True)
+            # decided on the global loss and weights, so that every rank skips or applies the same steps
+            if not self.apply_update(sums["loss"], norm):   # skipped or undone: no further passes
                 break
             applied += 1
         if applied:   # a skipped step leaves the schedule where it was: the next step gets this step's lr
@@ -535,26 +469,6 @@ class GRPOTrainer:
         if a.rollout_correction == "mis":
             out["rollout/masked_ratio"] = sums["rollout/masked_sum"] / max(n_tok, 1)
         return {**out, **critic}
-
-    def _nonfinite_weights(self, loss: float, norm: float) -> str:
-        return (f"step {self.step + 1}: {overflowed(loss, norm, self.opt.param_groups[0]['lr'])}; stopped before "
-                f"saving them (the last checkpoint is kept). Lower optim.lr, or set train.undo_nonfinite_updates=true "
-                f"to undo and count such updates")
-
-    def _bad_step(self, loss: float, norm: float, weights: bool = False) -> None:
-        """Count a skipped update (non-finite loss or gradient norm; with `weights`, an update that made
-        the weights non-finite and was undone); too many stop the run."""
-        self.opt.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        self.bad_steps += 1
-        limit = self.cfg.train.max_bad_steps
-        what = (f"{overflowed(loss, norm, self.opt.param_groups[0]['lr'])}; update undone" if weights else
-                f"non-finite loss ({loss}) or gradient norm ({norm}); update skipped")
-        msg = f"step {self.step + 1}: {what} ({self.bad_steps} so far, train.max_bad_steps={limit})"
-        if self.bad_steps > limit:
-            raise TrainingError(msg + "; lower optim.lr or check the reward functions")
-        if self.console is not None:
-            self.console.warn(msg)
 
     # ------------------------------------------------------------ the loop
     def evaluate(self) -> dict:
@@ -643,79 +557,34 @@ class GRPOTrainer:
         self.progress.end_step()
         return metrics
 
-    def train(self, final_eval: bool = False) -> list[dict]:
-        """Run train.max_steps steps, writing metrics.jsonl and checkpoints. Returns this call's step metrics.
+    def step_label(self, n: int) -> str:
+        return f"step {n}"
 
-        SIGINT/SIGTERM finish the current step, save a checkpoint and raise KeyboardInterrupt (the first
-        signal is acknowledged at once; a second one stops at once). `final_eval`: after the final
-        checkpoint, the held-out eval, logged with the last step's row (metrics.jsonl, TensorBoard, wandb) as
-        train.eval_every's are, and kept in `self.final_eval` (None when this call ran no step).
-        """
-        t = self.cfg.train
-        main = self.world.main   # only rank 0 writes files, logs and checkpoints
-        history: list[dict] = []
-        start, start_step = time.perf_counter(), self.step   # the ETA is this process's pace, also after a resume
-        self.final_eval = None
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self.step == 0 and (self.run_dir / "samples.jsonl").exists():
-                (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
-        stop = StopFlag(announce=main)
-        # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
-        trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
-            if main else contextlib.nullcontext()
-        self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
-        # a resumed run appends after the lines its checkpoint already covers
-        out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if main else contextlib.nullcontext()
-        pending, pending_at = None, 0   # the last step's row and where it starts in metrics.jsonl
-        with trackers, out as f, self.progress:
-            with stop:
-                while self.step < t.max_steps:
-                    m = self.train_step()
-                    if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
-                        self.progress.start_phase("eval")
-                        m.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-                        self.progress.end_step()
-                    history.append(m)
-                    # a signal seen by any rank stops every rank after the same step
-                    stopping = dist.sum_floats(float(stop.signal is not None))[0] > 0
-                    if final_eval and self.step == t.max_steps and not stopping:
-                        pending, pending_at = m, (f.tell() if main else 0)
-                    if main:   # written now: a crash in the final eval below loses no step
-                        self._log_row(m, f, trackers, time.perf_counter() - start, start_step)
-                    if pending is not None:
-                        break
-                    if stopping:
-                        stop.hold()     # a second signal (the launcher's, as other ranks exit) must not cut the save
-                        self.save()
-                        dist.barrier()  # no rank exits before rank 0 has saved
-                        raise KeyboardInterrupt(f"stopped by {stop.signal or 'a signal to another rank'} after step "
-                                                f"{self.step}; checkpoint saved, continue with train.resume=auto")
-                    if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
-                        self.save()
-            self.save()
-            if pending is not None:   # the final checkpoint is safe first; then the held-out eval, in the last row
-                self.progress.start_step("final eval")
-                self.progress.start_phase("eval", len(self.test_rows))
-                self.final_eval = self.evaluate()
-                self.progress.end_step()
-                evals = {f"eval/{k}": v for k, v in self.final_eval.items()}
-                pending.update(evals)
-                if main:   # the last step's row again, now with the eval (TensorBoard and wandb: the eval alone)
-                    f.seek(pending_at)
-                    f.truncate()
-                    f.write(json.dumps(pending) + "\n")
-                    f.flush()
-                    trackers.log(evals, self.step)
-        return history
+    def run_eval(self, final: bool) -> dict:
+        if final:
+            self.progress.start_step("final eval")
+            self.progress.start_phase("eval", len(self.test_rows))
+        else:
+            self.progress.start_phase("eval")
+        res = self.evaluate()
+        self.progress.end_step()
+        return res
 
-    def _log_row(self, m: dict, f, trackers, elapsed: float, start_step: int) -> None:
+    def eval_row(self, res: dict) -> dict:
+        return {f"eval/{k}": v for k, v in res.items()}
+
+    def fresh_run(self) -> None:
+        if (self.run_dir / "samples.jsonl").exists():
+            (self.run_dir / "samples.jsonl").unlink()   # a fresh run starts a fresh file
+
+    def show_progress(self, m: dict, start: float, start_step: int, force: bool = False) -> None:
+        pass   # GRPO's console line comes with the row (log_row), every train.log_every steps
+
+    def log_row(self, m: dict, f, trackers, elapsed: float, start_step: int) -> None:
         """Rank 0: a step's row to metrics.jsonl and the trackers; its samples (every log.samples_every
         steps, and always the first and the last step's); its console line."""
         t = self.cfg.train
-        f.write(json.dumps(m) + "\n")
-        f.flush()
-        trackers.log(m, self.step)
+        super().log_row(m, f, trackers, elapsed, start_step)
         every = self.cfg.log.samples_every
         if every and (self.step % every == 0 or self.step in (1, t.max_steps)):
             self._write_samples()
@@ -755,59 +624,41 @@ class GRPOTrainer:
         m = b.gen.completion_mask[i].to(adv.device)
         return float(adv[m].mean()) if m.any() else 0.0
 
-    def save(self) -> Path | None:
-        """Write a checkpoint (rank 0: with ddp every rank holds the same weights and optimizer state;
-        with fsdp every rank first sends its shards to rank 0)."""
-        full = None
-        if self.sharded:
-            full = {"model": sharding.full_state_dict(self.model),
-                    "optimizer": sharding.full_optimizer_state(self.model, self.opt),
-                    "ref": sharding.full_state_dict(self.ref, tied=False) if self.ref is not None else None}
-        if not self.world.main:
-            return None
-        rng = {"torch": torch.get_rng_state(), "generator": self.gen.get_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, tokenizer=self.tok,
-                               optimizer=self.opt, scheduler=self.sched, rng=rng,
-                               ref_model=self.ref, full_states=full,
-                               master_weights=self.master.master if self.master else None,
-                               extra=self.critic.save if self.critic is not None else None,
-                               trainer_state={"job": "grpo", "sampler": self.sampler.state(),
-                                              **({"std_ema": self.std_ema} if self.std_ema is not None else {}),
-                                              **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
-        prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
-        return path
+    # ------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict:
+        return {"sampler": self.sampler.state(), **({"std_ema": self.std_ema} if self.std_ema is not None else {})}
 
-    def restore(self, ckpt: str | Path, weights: bool = True) -> None:
-        """Continue exactly from a checkpoint written by `save`: weights (unless the policy was just
-        loaded from it), reference, optimizer, scheduler, RNG states, data position, step and wandb
-        run id; metrics.jsonl and samples.jsonl are cut back to that step (TensorBoard's points after
-        it are dropped when training starts again)."""
-        if self.sharded:   # full tensors from the files; each rank keeps its shard
-            state = load_training_state(ckpt)
-            if weights:
-                sharding.load_full_state_dict(self.model, load_model(ckpt)[0].state_dict())
-            ref = read_ref_state(ckpt, self.ref) if self.ref is not None else None
-            if ref is not None:
-                sharding.load_full_state_dict(self.ref, ref)
-            sharding.load_optimizer_state(self.model, self.opt, state["optimizer"])
-        else:
-            state = load_training_state(ckpt, self.model if weights else None, self.ref)
-            self.opt.load_state_dict(state["optimizer"])
-            if self.master and state.get("master") is not None:
-                self.master.load(state["master"])
-        self.sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.gen.set_state(state["rng"]["generator"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.sampler.restore(state["trainer"]["sampler"])
-        self.step = state["trainer"]["step"]
-        self.std_ema = state["trainer"].get("std_ema")
+    def restore_extra(self, state: dict, ckpt: Path) -> None:
+        self.sampler.restore(state["sampler"])
+        self.std_ema = state.get("std_ema")
         if self.critic is not None:
-            self.critic.load(Path(ckpt))
-        self.wandb_run_id = state["trainer"].get("wandb_run_id")
-        if self.world.main:   # rank 0 owns the files
-            cut_logs(self.run_dir, self.step)
-            drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)
+            self.critic.load(ckpt)
+
+    def rng_state(self) -> dict:
+        return {"generator": self.gen.get_state()}
+
+    def restore_rng(self, rng: dict) -> None:
+        self.gen.set_state(rng["generator"])
+
+    def checkpoint_extra(self):
+        return self.critic.save if self.critic is not None else None
+
+    def full_states(self) -> dict | None:
+        """fsdp: every rank sends its shards; rank 0 writes the full tensors."""
+        if not self.sharded:
+            return None
+        return {"model": sharding.full_state_dict(self.model),
+                "optimizer": sharding.full_optimizer_state(self.model, self.opt),
+                "ref": sharding.full_state_dict(self.ref, tied=False) if self.ref is not None else None}
+
+    def load_state(self, ckpt: str | Path, weights: bool) -> dict:
+        if not self.sharded:
+            return super().load_state(ckpt, weights)
+        state = load_training_state(ckpt)   # full tensors from the files; each rank keeps its shard
+        if weights:
+            sharding.load_full_state_dict(self.model, load_model(ckpt)[0].state_dict())
+        ref = read_ref_state(ckpt, self.ref) if self.ref is not None else None
+        if ref is not None:
+            sharding.load_full_state_dict(self.ref, ref)
+        sharding.load_optimizer_state(self.model, self.opt, state["optimizer"])
+        return state

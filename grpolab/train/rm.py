@@ -4,7 +4,7 @@ completion above its rejected one (Bradley-Terry).
 One step: `rm.batch_size` pairs -> both sides tokenized as the `rm:` reward will score them
 (models/reward_head.py) -> one forward over chosen and rejected -> bradley_terry_loss
 (algorithms/losses.py) with the row's `margin` (or rm.margin) and rm.center_rewards_coefficient
--> mean over the batch's pairs -> AdamW. The loop, checkpoints and resume are train/loop.py's.
+-> mean over the batch's pairs -> AdamW. The loop, checkpoints and resume are train/base.py's.
 Metrics (TRL's names): accuracy (share of pairs ranked right; a tie is not), margin (mean
 r_chosen - r_rejected), rewards/chosen, rewards/rejected; held out: eval/accuracy, eval/margin, eval/loss.
 """
@@ -15,7 +15,7 @@ import torch
 
 from ..algorithms.losses import bradley_terry_loss
 from ..rewards.calling import completion_text
-from .loop import OfflineTrainer
+from .offline import OfflineTrainer
 
 PairIds = tuple[list[int], list[int], float]   # chosen ids, rejected ids, margin
 

@@ -3,7 +3,7 @@
 One step: `sft.batch_size` rows -> token ids and loss masks (data/supervised.py; chat-template
 aware) -> optionally packed (sft.packing) -> micro-batches -> summed cross-entropy / the batch's
 loss tokens (so micro-batching leaves the gradient as it is) -> AdamW. The loop, checkpoints and
-resume are train/loop.py's. The demo's warm start is this trainer without a run directory.
+resume are train/base.py's. The demo's warm start is this trainer without a run directory.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .evaluate import evaluate
 from ..monitor.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
 from ..models.logprobs import token_logprobs
-from .loop import OfflineTrainer, total_steps
+from .offline import OfflineTrainer, total_steps
 from .schedule import lr_factor
 from ..data.tasks import arithmetic, pyfunc
 

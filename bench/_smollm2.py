@@ -10,7 +10,7 @@ betas (0.9, 0.999) without weight decay, constant LR without warm-up, grad-norm 
 2 threads, micro-batches of 8 rows (one group) with gradient accumulation on both sides.
 
 grpolab gets these as a config (`ours_config`); TRL's GRPOTrainer as the matching GRPOConfig and a peft
-LoraConfig (`build_trl`). Both see the same prompts in the same order: the rows grpolab's PromptSampler
+LoraConfig (`build_trl`). Both see the same prompts in the same order: the rows grpolab's RowStream
 draws (`drawn_rows`), handed to TRL in that order with its shuffling off.
 """
 
@@ -28,11 +28,11 @@ import torch
 
 from grpolab.config import Config
 from grpolab.config.load import config_from_dict
-from grpolab.train.evaluate import evaluate
-from grpolab.models.hf import HFPolicy, HFTokenizer
+from grpolab.data.stream import RowStream
 from grpolab.jobs.inputs import load_data
+from grpolab.models.hf import HFPolicy, HFTokenizer
 from grpolab.rewards import REWARDS
-from grpolab.train.grpo import PromptSampler
+from grpolab.train.evaluate import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -102,8 +102,8 @@ def ours_config(model: Path, run_dir: Path, s: Setting, max_steps: int = 10_000)
 
 def build_ours(model: Path, run_dir: Path, s: Setting, max_steps: int = 10_000):
     """grpolab's GRPOTrainer for the setting (the same path as `grpolab train`: data, policy, LoRA)."""
-    from grpolab.monitor.console import Console
     from grpolab.jobs.train import build_trainer
+    from grpolab.monitor.console import Console
     cfg = ours_config(model, run_dir, s, max_steps)
     return build_trainer(cfg, run_dir, Console(stream=sys.stderr, level="quiet"))
 
@@ -111,14 +111,14 @@ def build_ours(model: Path, run_dir: Path, s: Setting, max_steps: int = 10_000):
 def drawn_rows(s: Setting, steps: int, model: Path) -> list[dict]:
     """The rows grpolab's trainer trains on in its first `steps` steps, in order (its seeded sampler)."""
     train, _ = load_data(ours_config(model, Path("unused"), s))
-    sampler = PromptSampler(train, s.seed)
-    return [r for _ in range(steps) for r in sampler.next(s.prompts)]
+    sampler = RowStream(len(train), s.seed, keyed=True)
+    return [train[i] for _ in range(steps) for i in sampler.next(s.prompts)]
 
 
 def ours_draws(trainer, s: Setting, steps: int) -> list[dict]:
     """The same, read off a built trainer (a copy of its sampler): checks `drawn_rows` against it."""
     sampler = copy.deepcopy(trainer.sampler)
-    return [r for _ in range(steps) for r in sampler.next(s.prompts)]
+    return [trainer.train_rows[i] for _ in range(steps) for i in sampler.next(s.prompts)]
 
 
 def eval_rows(n: int, model: Path, s: Setting) -> list[dict]:

@@ -34,8 +34,8 @@ def workload(mode: str, sft_steps: int, grpo_steps: int) -> dict:
 
     from grpolab.config.load import load_config
     from grpolab.determinism import pin_cpu_numerics
-    from grpolab.monitor.console import Console
     from grpolab.jobs.inputs import load_data, load_policy
+    from grpolab.monitor.console import Console
     from grpolab.train.grpo import GRPOTrainer
 
     if mode == "pinned":

@@ -53,8 +53,8 @@ from typing import Any, Iterator
 
 import torch
 
-from grpolab.jobs import train as pipeline
 from grpolab.config.load import load_config
+from grpolab.jobs import train as pipeline
 from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer
 

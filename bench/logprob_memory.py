@@ -31,10 +31,11 @@ def _status(key: str) -> float:
 
 def one(mode: str, vocab: int, rows: int, completion: int) -> dict:
     import torch
+
     from grpolab.models import set_gradient_checkpointing
     from grpolab.models.hf import HFPolicy
-    from grpolab.models.tiny_hf import build_tiny_llama
     from grpolab.models.logprobs import completion_logprobs
+    from grpolab.models.tiny_hf import build_tiny_llama
 
     chunk, ckpt = MODES[mode]
     torch.set_num_threads(2)

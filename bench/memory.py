@@ -92,11 +92,12 @@ def rows(n: int = PROMPTS, tokens: int = PROMPT_TOKENS) -> list[dict]:
 
 
 def run_ours(model_dir: Path, lora: int, ckpt: bool) -> dict:
-    from grpolab.config.load import config_from_dict
-    from grpolab.monitor.console import Console
-    from grpolab.jobs.inputs import load_policy
-    from grpolab.train.grpo import GRPOTrainer
     import torch
+
+    from grpolab.config.load import config_from_dict
+    from grpolab.jobs.inputs import load_policy
+    from grpolab.monitor.console import Console
+    from grpolab.train.grpo import GRPOTrainer
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_from_dict({
@@ -130,6 +131,7 @@ def run_trl(model_dir: Path, lora: int, ckpt: bool) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
     from grpolab.rewards.length import length
     torch.set_num_threads(THREADS)
     names = {f.name for f in dataclasses.fields(GRPOConfig)}

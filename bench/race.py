@@ -89,8 +89,8 @@ def run_ours(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     import torch
 
     from grpolab.config.load import config_from_dict
-    from grpolab.monitor.console import Console
     from grpolab.jobs.train import build_trainer
+    from grpolab.monitor.console import Console
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_from_dict({
             "model": {"name_or_path": str(ckpt), "dtype": "float32", "device": "cpu"},
@@ -128,8 +128,8 @@ def run_trl(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpolab.config.load import config_from_dict
-    from grpolab.models.hf import load_hf
     from grpolab.jobs.inputs import load_data
+    from grpolab.models.hf import load_hf
     from grpolab.rewards.accuracy import gsm8k_accuracy
     torch.set_num_threads(THREADS)
     train_rows, _ = load_data(config_from_dict({}))   # the task's training problems, as our trainer reads them

@@ -101,9 +101,9 @@ import torch
 
 from grpolab.config.load import config_from_dict
 from grpolab.data.tasks import arithmetic
-from grpolab.monitor.console import Console
-from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.jobs.inputs import load_policy
+from grpolab.models.tiny_hf import save_tiny_model
+from grpolab.monitor.console import Console
 from grpolab.rewards import REWARDS
 from grpolab.train.grpo import GRPOTrainer
 

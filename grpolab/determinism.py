@@ -50,7 +50,7 @@ def set_reproducible_env() -> None:
 def pin_cpu_numerics(threads: int = 0) -> int:
     """Fix the CPU thread count (0 = torch's default, all cores) and turn MKL's dynamic
     threading off; returns the thread count in use. Call before the first computation."""
-    import torch   # here, so that importing grpolab (and `grpolab --help`) stays instant
+    import torch  # here, so that importing grpolab (and `grpolab --help`) stays instant
 
     # the MKL variables are already set: grpolab/__init__.py runs before this module can be imported
     n = threads or torch.get_num_threads()

@@ -13,7 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-from dataset_dir import read_rows, write_dataset   # scripts/: run as files, this folder is on sys.path
+from dataset_dir import read_rows, write_dataset  # scripts/: run as files, this folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SRC = ROOT.parent / "shared" / "data" / "math"

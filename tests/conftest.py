@@ -7,9 +7,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpolab  # noqa: F401  (before torch: OpenMP reads OMP_WAIT_POLICY when torch loads it)
 import pytest
 import torch
+
+import grpolab  # noqa: F401  (before torch: OpenMP reads OMP_WAIT_POLICY when torch loads it)
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"

@@ -21,10 +21,10 @@ from grpolab import sharding
 from grpolab.algorithms.aggregate import AGG_MODES
 from grpolab.algorithms.losses import POLICY_LOSSES
 from grpolab.config.load import load_config
-from grpolab.models import GPT, GPTConfig, CharTokenizer
+from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout.batch import RolloutBatch
-from grpolab.rollout.generation import Generation
 from grpolab.rollout.engine import generate
+from grpolab.rollout.generation import Generation
 from grpolab.train.grpo import GRPOTrainer
 
 P, G = 4, 4        # prompts per step and group size: 2 groups per rank with 2 ranks

@@ -11,16 +11,21 @@ from decimal import Decimal
 from fractions import Fraction
 
 import pytest
-
 from conftest import ROOT
-from grpolab.errors import DataError
-from grpolab.data.tasks.gsm8k import load_gsm8k
-from grpolab.data.answers import (extract_hash_answer, final_answer_text, format_number, parse_number, plain_number,
-                                  reference_answer)
-from grpolab.rewards.accuracy import gsm8k_accuracy
-from grpolab.rewards.format import answer_format
+
+from grpolab.data.answers import (
+    extract_hash_answer,
+    final_answer_text,
+    format_number,
+    parse_number,
+    plain_number,
+    reference_answer,
+)
 from grpolab.data.math_answers import _plain_equal
-from grpolab.rewards.accuracy import math_accuracy
+from grpolab.data.tasks.gsm8k import load_gsm8k
+from grpolab.errors import DataError
+from grpolab.rewards.accuracy import gsm8k_accuracy, math_accuracy
+from grpolab.rewards.format import answer_format
 
 SOLD = "She sold 48/2 = 24 in May.\n48 + 24 = 72 in all.\n#### 72"
 

@@ -6,9 +6,9 @@ import torch
 
 from grpolab.data.tasks import arithmetic
 from grpolab.models.hf import load_hf
+from grpolab.models.logprobs import completion_logprobs
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.rollout.engine import generate
-from grpolab.models.logprobs import completion_logprobs
 
 pytest.importorskip("transformers")
 

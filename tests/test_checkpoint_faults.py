@@ -11,18 +11,22 @@ import sys
 
 import pytest
 import yaml
-from safetensors.torch import save_file
-
 from conftest import ROOT, run_cli
-from grpolab.config.load import load_config
-from grpolab.errors import ConfigError
-from grpolab.models import GPT, GPTConfig
-from grpolab.jobs.common import write_run_config
-from grpolab.models.checkpoint import (cut_logs, find_resume_checkpoint, load_model, load_training_state,
-                                       verify_checkpoint)
-from grpolab.errors import CheckpointError
-from grpolab.train.resume_rules import unsafe_changes
+from safetensors.torch import save_file
 from test_grpo import TINY
+
+from grpolab.config.load import load_config
+from grpolab.errors import CheckpointError, ConfigError
+from grpolab.jobs.common import write_run_config
+from grpolab.models import GPT, GPTConfig
+from grpolab.models.checkpoint import (
+    cut_logs,
+    find_resume_checkpoint,
+    load_model,
+    load_training_state,
+    verify_checkpoint,
+)
+from grpolab.train.resume_rules import unsafe_changes
 
 ARGS = ["train", *TINY, "reward.functions=[length]", "train.save_every=1", "train.keep_checkpoints=0"]
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from test_serve_hardening import _mounted
 
 from grpolab.cli import _torch_write_failed, os_error_line
-from test_serve_hardening import _mounted
 
 
 def _last(r):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from grpolab.config.load import load_config
-from grpolab.errors import ConfigError
 from grpolab.data.tasks import pyfunc
+from grpolab.errors import ConfigError
 from grpolab.rewards import code as code_reward
 from grpolab.rewards.code import code_exec, extract_program, prompt_code, stdio_cases
 from grpolab.sandbox import SandboxError

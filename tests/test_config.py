@@ -1,9 +1,9 @@
 import pytest
+from conftest import run_cli
 
 from grpolab.config import Config
 from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
-from conftest import run_cli
 
 
 def test_defaults_validate_and_required_keys_exist():
@@ -69,7 +69,9 @@ def test_cli_missing_config_file_and_bad_yaml(tmp_path):
 def test_cli_page_documents_every_command_and_readme_stays_inside_the_repository():
     """Every CLI command is documented on docs/cli.md, and the README points at no file outside the repository."""
     import re
+
     from conftest import ROOT
+
     from grpolab.cli import _parser
     cli_page = (ROOT / "docs" / "cli.md").read_text()
     readme = (ROOT / "README.md").read_text()

@@ -7,13 +7,13 @@ import math
 import os
 
 import pytest
-
 from conftest import run_cli
+
 from grpolab.config import Config, JudgeConfig
 from grpolab.config.load import load_config
 from grpolab.config.validate import max_threads, validate
-from grpolab.errors import ConfigError
 from grpolab.data.preference import heldout_size
+from grpolab.errors import ConfigError
 
 NON_FINITE = ("inf", "-inf", "nan", ".inf", "-.inf", ".nan", "1e999")
 

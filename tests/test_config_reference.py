@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 
 from conftest import ROOT
+
 from grpolab.config import Config, JudgeConfig
 
 REFERENCE = ROOT / "docs" / "reference" / "configuration.md"

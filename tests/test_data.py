@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import GSM8K_DIR, GSM8K_SAMPLE
 
 from grpolab.data.loading import filter_long_prompts, normalize_rows, read_records
-from grpolab.errors import DataError
 from grpolab.data.tasks.gsm8k import load_gsm8k
-
-from conftest import GSM8K_DIR, GSM8K_SAMPLE
+from grpolab.errors import DataError
 
 ROWS = [{"prompt": "1+1?", "answer": "2", "level": 1},
         {"prompt": "2+3?", "answer": "5", "level": 2}]

@@ -5,14 +5,14 @@ model's held-out split. One line naming the file, line or row."""
 import json
 
 import pytest
-
 from conftest import run_cli
+
 from grpolab.config.load import load_config
 from grpolab.data.loading import normalize_rows, read_records
-from grpolab.errors import DataError
 from grpolab.data.messages import CHAT_ROLES
 from grpolab.data.preference import fit_pairs, preference_rows
 from grpolab.data.supervised import sft_rows
+from grpolab.errors import DataError
 from grpolab.models import CharTokenizer
 
 

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 # Big enough that MKL splits products across threads (width 128, batches of 32 x ~100 tokens),
 # small enough for a test: a short warm start, two GRPO steps with a reference and two passes.
 RUN = ["model.n_layer=2", "model.n_embd=128", "sft.steps=20", "sft.batch_size=32", "sft.bare_steps=10",
        "data.train_size=400", "data.test_size=8", "rollout.prompts_per_step=4", "rollout.num_generations=4",
-       "rollout.max_new_tokens=16", "reward.functions=[gsm8k_accuracy,length]", "algorithm.beta=0.04", "algorithm.num_iterations=2", "train.max_steps=2",
+       "rollout.max_new_tokens=16", "reward.functions=[gsm8k_accuracy,length]", "algorithm.beta=0.04",
+       "algorithm.num_iterations=2", "train.max_steps=2",
        "eval.num_problems=8", "eval.k=2", "log.level=quiet"]
 
 

@@ -4,13 +4,11 @@ import json
 import subprocess
 import sys
 
+import dist_cases
 import pytest
 import torch
-
 from conftest import ROOT, run_cli
 from test_grpo import TINY
-
-import dist_cases
 
 
 def _torchrun(*args, nproc=2, timeout=300):
@@ -118,10 +116,11 @@ def test_fsdp_on_the_builtin_gpt_equals_one_process(tmp_path):
 def _train_here(*overrides):
     """`grpolab train OVERRIDES` in this process, as the CLI builds it (without the final eval)."""
     from pathlib import Path
+
     from grpolab.config.load import load_config
-    from grpolab.monitor.console import Console
-    from grpolab.jobs.train import build_trainer
     from grpolab.jobs.common import setup_torch
+    from grpolab.jobs.train import build_trainer
+    from grpolab.monitor.console import Console
     cfg = load_config(None, list(overrides))
     setup_torch(cfg)
     build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()

@@ -2,9 +2,9 @@ import math
 
 import torch
 
+from grpolab.models.logprobs import completion_logprobs
 from grpolab.rollout.engine import generate
 from grpolab.rollout.sampling import filter_logits
-from grpolab.models.logprobs import completion_logprobs
 
 
 def _prompts(tok):

@@ -83,8 +83,8 @@ def test_eval_every_rows_equal_grpolab_eval_of_that_checkpoint(tmp_path):
 def test_eval_samples_do_not_depend_on_how_the_problems_are_split(tiny_gpt, tok):
     """Sample j of problem i is keyed by (seed, i, j): evaluating every 2nd problem on each of two
     'ranks' (row_ids given) gives every problem the samples of the whole run, whatever the batch size."""
-    from grpolab.train.evaluate import evaluate
     from grpolab.distributed import unstride
+    from grpolab.train.evaluate import evaluate
     rows = [{"prompt": f"Tom has {i} pens and finds {i + 1} more.", "answer": str(2 * i + 1)} for i in range(7)]
     whole = evaluate(tiny_gpt, tok, rows, k=4, max_new_tokens=10, batch_size=8, seed=3)["samples"]
     parts = [evaluate(tiny_gpt, tok, rows[r::2], k=4, max_new_tokens=10, batch_size=4, seed=3,

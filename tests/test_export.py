@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import run_cli
 from test_grpo import make_trainer
 
@@ -85,8 +84,8 @@ def test_builtin_gpt_exports_as_an_hf_model_with_the_same_logits(tmp_path, lora)
 def test_exports_of_hf_checkpoints(tmp_path):
     """A LoRA checkpoint of an HF model: --merge gives a standalone model with its logits; without,
     peft's adapter directory. A full checkpoint exports in bfloat16. A non-empty target is refused."""
-    from grpolab.jobs.export import run as export
     from grpolab.errors import ExportError
+    from grpolab.jobs.export import run as export
     from grpolab.models.tiny_hf import save_tiny_model
     base = save_tiny_model(tmp_path / "base", vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
     for name, extra in (("lora", ["model.lora_rank=4"]), ("full", [])):

@@ -3,15 +3,15 @@
 import json
 
 import pytest
+from conftest import run_cli
 
 from grpolab.config.load import load_config
-from grpolab.monitor.console import Console
-from grpolab.jobs.train import build_trainer
-from grpolab.jobs.inputs import load_data, load_policy
 from grpolab.jobs.common import setup_torch
+from grpolab.jobs.inputs import load_data, load_policy
+from grpolab.jobs.train import build_trainer
+from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer
 from grpolab.train.schedule import lr_factor
-from conftest import run_cli
 
 # An easy setting: two-operation problems over small numbers, a small model, a short warm start.
 EASY = ["data.min_ops=2", "data.max_ops=2", "data.max_operand=4", "data.max_value=8", "data.allow_mul=false",
@@ -84,7 +84,8 @@ def test_train_cli_writes_run_dir_and_same_seed_gives_same_metrics(tmp_path):
 def test_different_seed_gives_different_metrics(tmp_path):
     outs = []
     for seed in (0, 1):
-        r = run_cli("train", *TINY, "train.max_steps=2", f"train.seed={seed}", f"train.output_dir={tmp_path / str(seed)}")
+        r = run_cli("train", *TINY, "train.max_steps=2", f"train.seed={seed}",
+                    f"train.output_dir={tmp_path / str(seed)}")
         assert r.returncode == 0, r.stderr
         outs.append(_strip_timing(tmp_path / str(seed) / "metrics.jsonl"))
     assert outs[0] != outs[1]

@@ -13,18 +13,17 @@ import urllib.request
 import openai
 import pytest
 import torch
-
 from conftest import running_server
+
 from grpolab.config.load import load_config
-from grpolab.errors import ConfigError
+from grpolab.errors import ConfigError, RewardError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
+from grpolab.models.checkpoint import save_checkpoint
 from grpolab.rewards import judge
 from grpolab.rewards.calling import RewardLog
 from grpolab.rewards.combine import score
-from grpolab.errors import RewardError
 from grpolab.rewards.judge import parse_score
 from grpolab.rewards.rubrics import RubricIndex
-from grpolab.models.checkpoint import save_checkpoint
 
 SECRET = "sk-test-9f8e7d6c5b4a-DO-NOT-LOG"
 KEY_ENV = "GRPOLAB_TEST_JUDGE_KEY"

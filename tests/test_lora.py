@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import GSM8K_DIR, ROOT, run_cli
-from grpolab.models import GPT, GPTConfig, CharTokenizer
+from test_grpo import make_trainer
+
+from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.hf import load_hf
+from grpolab.models.logprobs import completion_logprobs
 from grpolab.models.lora import adapters_off, add_lora, block_linear_names, has_lora
 from grpolab.models.tiny_hf import save_tiny_model
-from grpolab.models.logprobs import completion_logprobs
-from test_grpo import make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +84,9 @@ def _gsm8k_lora_args(data, model_dir, out):
 def _train_in_process(*overrides):
     """`grpolab train configs/gsm8k_tiny_hf.yaml OVERRIDES` in this process (as the CLI builds it)."""
     from grpolab.config.load import load_config
-    from grpolab.monitor.console import Console
-    from grpolab.jobs.train import build_trainer
     from grpolab.jobs.common import setup_torch
+    from grpolab.jobs.train import build_trainer
+    from grpolab.monitor.console import Console
     cfg = load_config(str(ROOT / "configs" / "gsm8k_tiny_hf.yaml"), list(overrides))
     setup_torch(cfg)
     build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()

@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
-
-from grpolab.models import GPT, GPTConfig, CharTokenizer, set_gradient_checkpointing
-from grpolab.models.logprobs import completion_logprobs
 from test_grpo import make_trainer
+
+from grpolab.models import GPT, CharTokenizer, GPTConfig, set_gradient_checkpointing
+from grpolab.models.logprobs import completion_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,10 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, _free_port
+
 from grpolab.config.load import load_config
-from grpolab.errors import ConfigError
-from grpolab.errors import DataError
+from grpolab.errors import ConfigError, DataError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.lora import lora_config
 from grpolab.models.tiny_hf import save_tiny_model
@@ -55,6 +54,7 @@ def no_template_dir(tmp_path_factory):
 
 def test_chat_prompt_on_a_tokenizer_without_template_is_a_data_error(no_template_dir):
     from transformers import AutoTokenizer
+
     from grpolab.models.hf import HFTokenizer
     tok = HFTokenizer(AutoTokenizer.from_pretrained(str(no_template_dir)))
     assert tok.render_prompt("2+2?") == tok.tok("2+2?")["input_ids"]   # text prompts need no template

@@ -7,11 +7,11 @@ import zipfile
 
 import pytest
 import torch
-
 from conftest import ROOT, randomize_lora_b
+
 from grpolab.models.hf import gguf_file, load_hf
-from grpolab.rollout.engine import generate
 from grpolab.models.logprobs import completion_logprobs
+from grpolab.rollout.engine import generate
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import fetch_smollm2  # noqa: E402
@@ -98,6 +98,7 @@ def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
     which merges the adapters into its weights; the trainer's forward keeps them separate, one rounding more
     than above: up to 3.2e-5 measured (2 threads, CI), so held to 5e-5; a missing adapter is > 1e-3."""
     import copy
+
     from grpolab.models.lean_decode import LeanCache
     from grpolab.models.lora import add_lora, block_linear_names
     model, tok = smol

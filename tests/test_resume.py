@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, run_cli
 from test_grpo import TINY
 
@@ -122,10 +121,11 @@ def parity_len(prompts, completions, **_):
 
 def _train(out, args):
     from pathlib import Path
+
     from grpolab.config.load import load_config
-    from grpolab.monitor.console import Console
-    from grpolab.jobs.train import build_trainer
     from grpolab.jobs.common import setup_torch
+    from grpolab.jobs.train import build_trainer
+    from grpolab.monitor.console import Console
     cfg = load_config(None, TINY + [f"train.output_dir={out}", *args])
     setup_torch(cfg)
     trainer = build_trainer(cfg, Path(out), Console(quiet=True))
@@ -230,6 +230,7 @@ def test_wandb_offline_run_continues_under_the_same_id(tmp_path, monkeypatch):
 def _wandb_history(path):
     """{step: {key: value}} from an offline run's .wandb file (LevelDB log format of Record protos)."""
     import struct
+
     from wandb.proto import wandb_internal_pb2 as pb
     data = path.read_bytes()
     assert data[:4] == b":W&B"

@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-
-from grpolab.rewards import get_reward, reward_names
-from grpolab.errors import RewardError
-from grpolab.rewards.combine import RewardLog, TrainerState, check_signatures, score
 from test_grpo import TINY, make_trainer
+
+from grpolab.errors import RewardError
+from grpolab.rewards import get_reward, reward_names
+from grpolab.rewards.combine import RewardLog, TrainerState, check_signatures, score
 
 trl_rewards = pytest.importorskip("trl.rewards")
 
@@ -393,6 +393,7 @@ def test_rows_get_a_data_source_unless_they_have_one(tmp_path, gsm8k_dir):
 
 def _docs_reward_yaml():
     import re
+
     import yaml
     from conftest import ROOT
     blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "hf.md").read_text(), re.S)
@@ -526,6 +527,7 @@ def test_async_reward_state_survives_across_steps(tmp_path):
 
 def test_tensor_and_numpy_returns_are_taken_as_trl_takes_them(monkeypatch):
     import numpy as np
+
     from grpolab import rewards
     monkeypatch.setitem(rewards.REWARDS, "t", lambda completions, **kw: torch.tensor([1.5, 2.0]))
     monkeypatch.setitem(rewards.REWARDS, "n", lambda completions, **kw: np.array([0.5, 1.0]))

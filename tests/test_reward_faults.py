@@ -11,14 +11,14 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, run_cli
+from test_grpo import TINY
+
 from grpolab.config import RewardConfig
+from grpolab.errors import RewardError
 from grpolab.rewards import combine
 from grpolab.rewards.combine import TrainerState, check_signatures, score
-from grpolab.errors import RewardError
 from grpolab.rollout.tools import ToolRunner, load_tools
-from test_grpo import TINY
 
 QUICK = TINY + ["sft.steps=0", "train.max_steps=2"]
 

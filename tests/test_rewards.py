@@ -4,19 +4,16 @@ import sys
 
 import pytest
 import torch
-
-from grpolab.rewards import get_reward
-from grpolab.data.answers import extract_hash_answer
-from grpolab.rewards.accuracy import gsm8k_accuracy
-from grpolab.rewards.combine import score
-from grpolab.errors import RewardError
 from conftest import GSM8K_DIR, GSM8K_SAMPLE
+
+from grpolab.data.answers import extract_hash_answer
 from grpolab.data.tasks.gsm8k import load_gsm8k
-from grpolab.rewards import REWARDS, reward_name
-from grpolab.errors import UnknownRewardError
+from grpolab.errors import RewardError, UnknownRewardError
+from grpolab.rewards import REWARDS, get_reward, reward_name
+from grpolab.rewards.accuracy import gsm8k_accuracy, math_accuracy
+from grpolab.rewards.combine import score
 from grpolab.rewards.format import boxed_content, think_format
 from grpolab.rewards.length import length, make_length_reward
-from grpolab.rewards.accuracy import math_accuracy
 from grpolab.rewards.model import reward_model
 
 
@@ -295,6 +292,7 @@ def test_weights_must_match_functions():
 def test_async_reward_functions_run_concurrently(monkeypatch):
     import asyncio
     import time
+
     from grpolab import rewards
 
     async def slow_a(prompts, completions, answer, **_):

@@ -8,10 +8,15 @@ import math
 import pytest
 import torch
 
-from grpolab.algorithms.advantages import (compute_gae, compute_reinforce_plus_plus, compute_remax, masked_whiten, token_level_rewards)
+from grpolab.algorithms.advantages import (
+    compute_gae,
+    compute_reinforce_plus_plus,
+    compute_remax,
+    token_level_rewards,
+)
 from grpolab.algorithms.losses import explained_variance, value_loss
 from grpolab.algorithms.rollout_correction import rollout_correction
-from grpolab.models import GPT, GPTConfig, CharTokenizer
+from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout.engine import generate
 
 # two rows, the second with a hole (a masked position inside the completion: e.g. tool output)
@@ -141,7 +146,8 @@ def policy_batch():
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=96)).eval()
     prompts = ["1 plus 2?", "Ann has 3 pens and buys 4. How many?"]
     gen = generate(model, [tok.render_prompt(p) for p in prompts], num_generations=2, max_new_tokens=12,
-                   temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id, generator=torch.Generator().manual_seed(3))
+                   temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id,
+                   generator=torch.Generator().manual_seed(3))
     texts = [tok.decode(c[m].tolist()) for c, m in zip(gen.completion_ids, gen.completion_mask)]
     return model, tok, gen, [p for p in prompts for _ in range(2)], texts, PolicyView(model, tok, gen)
 
@@ -235,8 +241,9 @@ def test_std_filter_tracks_a_moving_average_of_group_stds(tmp_path):
 # ---------------------------------------------------------------------------- the critic, PPO
 
 def test_critic_update_is_micro_batch_invariant(tmp_path):
-    from grpolab.algorithms.losses import value_loss as vl
     from test_grpo import make_trainer
+
+    from grpolab.algorithms.losses import value_loss as vl
     tr = make_trainer(tmp_path, "sft.steps=0", "algorithm.adv_estimator=gae", "rollout.prompts_per_step=3",
                       "reward.functions=[length]")
     batch = tr.rollout()
@@ -249,7 +256,8 @@ def test_critic_update_is_micro_batch_invariant(tmp_path):
         tr.critic.model.zero_grad(set_to_none=True)
         for i in range(0, len(batch), mb):
             s = slice(i, i + mb)
-            loss, _ = vl(tr.critic._values(g, s), batch.values[s], batch.returns[s], mask[s], cliprange_value=0.5, **agg)
+            loss, _ = vl(tr.critic._values(g, s), batch.values[s], batch.returns[s], mask[s], cliprange_value=0.5,
+                         **agg)
             loss.backward()
         grads.append([p.grad.clone() for p in tr.critic.model.parameters() if p.grad is not None])
     for a, b in zip(*grads):

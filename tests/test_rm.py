@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from grpolab.algorithms.losses import bradley_terry_loss
 from grpolab.cli import main
 from grpolab.config.load import load_config
-from grpolab.rewards import get_reward
 from grpolab.errors import RewardError
+from grpolab.rewards import get_reward
 
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=64", "log.level=quiet",
         "rm.batch_size=16", "rm.lr=3e-3", "rm.warmup_steps=2", "rm.eval_size=16"]
@@ -124,8 +124,8 @@ def test_rm_of_a_policy_checkpoint_is_refused_in_one_line(tmp_path):
 def test_hf_lora_reward_model_saves_a_plain_classifier_and_resumes_exactly(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from grpolab.models.tiny_hf import save_tiny_model
     from grpolab.jobs.rm import run as run_rm
+    from grpolab.models.tiny_hf import save_tiny_model
     pairs = _pairs(64, 1)
     base = save_tiny_model(tmp_path / "llama", [p["prompt"] + p["chosen"] + p["rejected"] for p in pairs],
                            vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
@@ -178,8 +178,8 @@ def test_a_missing_starting_model_is_one_line(tmp_path, capsys):
 
 
 def test_builtin_lora_reward_model_trains_adapters_and_head_only(tmp_path):
-    from grpolab.models import GPT, CharTokenizer, GPTConfig
     from grpolab.jobs.rm import run as run_rm
+    from grpolab.models import GPT, CharTokenizer, GPTConfig
     from grpolab.models.checkpoint import save_checkpoint
     tok = CharTokenizer()
     torch.manual_seed(0)
@@ -206,8 +206,8 @@ def test_a_dpo_checkpoint_scores_as_its_implicit_reward(tmp_path):
     token, recomputed here from the two models' logits."""
     from safetensors.torch import load_model as load_weights
 
-    from grpolab.models import CharTokenizer
     from grpolab.jobs.dpo import run as run_dpo
+    from grpolab.models import CharTokenizer
     from grpolab.models.checkpoint import load_model
     pairs = _write(tmp_path / "pairs.jsonl", _pairs(32, 4))
     run_dpo(load_config(None, [*TINY, f"dpo.pairs={pairs}", "dpo.steps=4", "dpo.batch_size=8", "dpo.lr=3e-3",

@@ -39,9 +39,9 @@ from pathlib import Path
 import pytest
 
 from grpolab.config.load import load_config
-from grpolab.monitor.console import Console
-from grpolab.jobs.train import build_trainer
 from grpolab.jobs.common import setup_torch, write_run_config
+from grpolab.jobs.train import build_trainer
+from grpolab.monitor.console import Console
 from grpolab.rewards import code as code_reward
 from grpolab.sandbox import Limits, run_program
 

@@ -14,13 +14,13 @@ import httpx
 import openai
 import pytest
 import torch
-
 from conftest import run_cli, running_server
+
 from grpolab.data.tasks import arithmetic
 from grpolab.models import GPT, CharTokenizer, GPTConfig
+from grpolab.models.checkpoint import load_model, save_checkpoint
 from grpolab.rollout.engine import generate
 from grpolab.serve.batcher import Batcher, Job, SamplingParams, held_back
-from grpolab.models.checkpoint import load_model, save_checkpoint
 
 QUESTIONS = [r["prompt"] for r in arithmetic.generate("test", 64, seed=3)]
 

@@ -21,14 +21,14 @@ import httpx
 import openai
 import pytest
 import torch
-
 from conftest import ROOT, run_cli, running_server
+from test_serve import _builtin
+
 from grpolab.errors import ConfigError
 from grpolab.models import CharTokenizer
+from grpolab.models.checkpoint import save_checkpoint
 from grpolab.serve.generate import sampling_settings
 from grpolab.serve.server import is_loopback
-from grpolab.models.checkpoint import save_checkpoint
-from test_serve import _builtin
 
 KEY = "sk-test-0123456789"
 # the module's server: a key, and small ceilings that a few requests reach

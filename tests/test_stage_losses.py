@@ -9,7 +9,7 @@ import torch
 from grpolab.algorithms.losses import distill_kl, dpo_loss
 from grpolab.config.load import load_config
 from grpolab.data.supervised import collate, encode, fit_length, pack, sft_rows
-from grpolab.models import GPT, GPTConfig, CharTokenizer
+from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.hf import load_hf
 from grpolab.models.tiny_hf import save_tiny_model
 

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import ROOT
 from safetensors.torch import load_file
 
 from grpolab.cli import main
 from grpolab.config.load import load_config
 from grpolab.jobs.sample import select_accepted, select_pair
-
-from conftest import ROOT
 
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.train_size=300", "data.test_size=16",
         "eval.num_problems=16", "eval.k=2", "log.level=quiet"]
@@ -55,9 +54,9 @@ def warm(tmp_path_factory):
 
 
 def test_sft_job_is_the_demo_warm_start(warm, tmp_path):
-    from grpolab.monitor.console import Console
-    from grpolab.jobs.inputs import load_data, load_policy
     from grpolab.jobs.common import setup_torch
+    from grpolab.jobs.inputs import load_data, load_policy
+    from grpolab.monitor.console import Console
     cfg = _cfg(tmp_path, "sft.steps=40", "sft.batch_size=16", "sft.bare_steps=10")
     setup_torch(cfg)
     model, _ = load_policy(cfg, load_data(cfg)[0], Console(quiet=True))

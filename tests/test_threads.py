@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 # every subprocess starts without the user's OpenMP/MKL settings, as a plain shell would

@@ -10,17 +10,17 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, run_cli
+
 from grpolab.errors import ConfigError
 from grpolab.models.hf import HFTokenizer, load_hf
+from grpolab.models.logprobs import completion_logprobs
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.rollout.engine import generate
 from grpolab.rollout.keys import completion_keys
 from grpolab.rollout.tool_decode import ToolUse
 from grpolab.rollout.tool_formats import HermesFormat, is_chatml, tool_format
 from grpolab.rollout.tools import CallRecord, ToolRunner, load_tools
-from grpolab.models.logprobs import completion_logprobs
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import fetch_smollm2  # noqa: E402

@@ -8,15 +8,14 @@ import time
 import pytest
 import torch
 
-from grpolab.errors import ConfigError
-from grpolab.models import GPT, GPTConfig, CharTokenizer
+from grpolab.errors import ConfigError, ToolCallError
+from grpolab.models import GPT, CharTokenizer, GPTConfig
+from grpolab.models.logprobs import completion_logprobs
 from grpolab.rollout.engine import generate
 from grpolab.rollout.keys import completion_keys
 from grpolab.rollout.tool_decode import ToolUse, tool_metrics
 from grpolab.rollout.tool_formats import BuiltinFormat
 from grpolab.rollout.tools import ToolRunner, calculator, load_tool, load_tools, truncate
-from grpolab.errors import ToolCallError
-from grpolab.models.logprobs import completion_logprobs
 
 TOOLS_PY = '''
 import time

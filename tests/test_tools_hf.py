@@ -8,13 +8,13 @@ import torch
 
 from grpolab.errors import ConfigError
 from grpolab.models.hf import load_hf
+from grpolab.models.logprobs import completion_logprobs, token_logprobs
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.rollout.engine import generate
 from grpolab.rollout.keys import completion_keys
 from grpolab.rollout.tool_decode import ToolUse
 from grpolab.rollout.tool_formats import HermesFormat, tool_format
 from grpolab.rollout.tools import CallRecord, ToolRunner, load_tools
-from grpolab.models.logprobs import completion_logprobs, token_logprobs
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
 
@@ -112,6 +112,7 @@ def test_templates_without_tool_support_are_refused(tool_model):
 def test_grpo_on_an_hf_model_with_tools_through_the_cli(tool_model, tmp_path):
     """`grpolab train` on the tool-calling Llama: the calls run inside the rollouts and the records show them."""
     import json
+
     from conftest import run_cli
     model, tok, _, _ = tool_model
     model_dir = tmp_path / "model"

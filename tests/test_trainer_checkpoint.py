@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
-
-from grpolab.models.checkpoint import _install, _stage, find_resume_checkpoint, list_checkpoints, load_training_state
-from grpolab.errors import CheckpointError
 from test_grpo import make_trainer
+
+from grpolab.errors import CheckpointError
+from grpolab.models.checkpoint import _install, _stage, find_resume_checkpoint, list_checkpoints, load_training_state
 
 
 def _weights(model):

@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from test_grpo import make_trainer
 
 from grpolab.config.load import load_config
 from grpolab.train.schedule import lr_factor
 from grpolab.train.sft import sft_batch, sft_lr_factor
 from grpolab.utils.padding import pad_sequences, pad_to_width
-from test_grpo import make_trainer
-
 
 # ---------------------------------------------------------------- lr schedule
 

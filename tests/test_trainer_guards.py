@@ -5,18 +5,25 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import run_cli
-from grpolab.config import Config
-from grpolab.config.load import load_config
-from grpolab.errors import ConfigError
-from grpolab.models import CharTokenizer, build_builtin
-from grpolab.train.finite_step import count_nonfinite, restore, snapshot
-from grpolab.errors import TrainingError
-from grpolab.train.memory_budget import (ModelShape, batch_bytes, builtin_shape, check_memory, eval_rows, kv_cache_bytes, model_shape, rollout_rows)
+from safetensors.torch import load_file
 from test_grpo import TINY, make_trainer
 
+from grpolab.config import Config
+from grpolab.config.load import load_config
+from grpolab.errors import ConfigError, TrainingError
+from grpolab.models import CharTokenizer, build_builtin
+from grpolab.train.finite_step import count_nonfinite, restore, snapshot
+from grpolab.train.memory_budget import (
+    ModelShape,
+    batch_bytes,
+    builtin_shape,
+    check_memory,
+    eval_rows,
+    kv_cache_bytes,
+    model_shape,
+    rollout_rows,
+)
 
 # ---------------------------------------------------------------- failure 6: sizes with no ceiling
 
@@ -141,8 +148,8 @@ def test_a_grpo_step_that_overflows_float16_weights_is_undone_counted_and_never_
 
 
 def test_an_offline_step_that_overflows_float16_weights_is_undone(tmp_path):
-    from grpolab.models.tiny_hf import save_tiny_model
     from grpolab.jobs.sft import run as run_sft
+    from grpolab.models.tiny_hf import save_tiny_model
     from grpolab.monitor.console import Console
     base = save_tiny_model(tmp_path / "llama", vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
     cfg = load_config(None, [*TINY, f"model.name_or_path={base}", "model.dtype=float16", "sft.lr=1e6",
@@ -174,8 +181,8 @@ def test_by_default_an_overflowing_update_stops_the_run_in_one_line_and_keeps_th
 
 
 def test_an_offline_job_refuses_an_eval_batch_beyond_the_memory_before_training(tmp_path):
-    from grpolab.monitor.console import Console
     from grpolab.jobs.sft import run as run_sft
+    from grpolab.monitor.console import Console
     cfg = load_config(None, [*TINY, "sft.steps=3", "eval.k=100000000", f"train.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"eval\.k=100000000.*needs at least .* available"):
         run_sft(cfg, Console(quiet=True))

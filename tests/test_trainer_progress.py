@@ -12,11 +12,11 @@ import threading
 import time
 
 import torch
-
 from conftest import ROOT, run_cli
+from test_grpo import TINY, make_trainer
+
 from grpolab.monitor.console import Console, StepProgress, eta_seconds
 from grpolab.rollout.engine import generate
-from test_grpo import TINY, make_trainer
 
 STEP_ROW = {"reward": 0.5, "completions/mean_length": 3.0, "perf/gen_tokens_per_sec": 10.0, "time/step": 2.0}
 
@@ -176,8 +176,9 @@ def test_a_fresh_model_has_a_dash_not_nan_before_training(tmp_path):
 
 def test_a_finished_offline_run_continued_further_equals_an_unbroken_one(tmp_path):
     """sft for 2 steps (its final eval logged with step 2), then sft.steps=3 with train.resume=auto (a
-    constant learning rate: a decaying one depends on sft.steps): the 3 rows equal an unbroken 3-step run's, timing aside (step 2's final eval was
-    the shorter run's, not a step's), and the last row holds the longer run's final eval."""
+    constant learning rate: a decaying one depends on sft.steps): the 3 rows equal an unbroken 3-step run's,
+    timing aside (step 2's final eval was the shorter run's, not a step's), and the last row holds the
+    longer run's final eval."""
     small = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.test_size=4", "eval.num_problems=2",
              "eval.k=1", "sft.batch_size=4", "train.save_every=1", "sft.lr_schedule=constant", "sft.warmup_steps=0"]
     r = run_cli("sft", *small, "sft.steps=3", f"train.output_dir={tmp_path / 'whole'}", timeout=300)

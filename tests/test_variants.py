@@ -5,15 +5,15 @@ import copy
 
 import pytest
 import torch
+from test_grpo import EASY, make_trainer
 
 from grpolab.algorithms.presets import PRESETS
 from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
-from grpolab.monitor.console import Console
-from grpolab.jobs.inputs import load_data, load_policy
 from grpolab.jobs.common import setup_torch
+from grpolab.jobs.inputs import load_data, load_policy
+from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer
-from test_grpo import EASY, make_trainer
 
 # A reward that varies within a group only for prompts whose first number is odd: groups of
 # even-numbered prompts are all 0 and carry no signal (what dynamic sampling drops).

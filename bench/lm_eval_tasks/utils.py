@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 
 from grpolab.data.tasks.gsm8k import final_answer
-from grpolab.rewards.accuracy import gsm8k_accuracy
-from grpolab.rewards.accuracy import math_accuracy
+from grpolab.rewards.accuracy import gsm8k_accuracy, math_accuracy
 
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 

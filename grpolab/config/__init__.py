@@ -7,9 +7,27 @@ this package import the rewards, which import this package. Import load_config, 
 read_yaml, check_output_dir from grpolab.config.load and validate from grpolab.config.validate.
 """
 
-from .schema import (MIN_TEMPERATURE, AlgorithmConfig, CodeExecConfig, Config, CriticConfig, DataConfig, DistillConfig,
-                     DPOConfig, EvalConfig, JudgeConfig, LogConfig, ModelConfig, OptimConfig, RewardConfig, RMConfig,
-                     RolloutConfig, SampleConfig, SFTConfig, TrainConfig)
+from .schema import (
+                     MIN_TEMPERATURE,
+                     AlgorithmConfig,
+                     CodeExecConfig,
+                     Config,
+                     CriticConfig,
+                     DataConfig,
+                     DistillConfig,
+                     DPOConfig,
+                     EvalConfig,
+                     JudgeConfig,
+                     LogConfig,
+                     ModelConfig,
+                     OptimConfig,
+                     RewardConfig,
+                     RMConfig,
+                     RolloutConfig,
+                     SampleConfig,
+                     SFTConfig,
+                     TrainConfig,
+)
 
 __all__ = ["MIN_TEMPERATURE", "AlgorithmConfig", "CodeExecConfig", "Config", "CriticConfig", "DataConfig",
            "DistillConfig", "DPOConfig", "EvalConfig", "JudgeConfig", "LogConfig", "ModelConfig", "OptimConfig",

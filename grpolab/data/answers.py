@@ -20,7 +20,6 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
-
 _INT = r"[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+"
 # sign, an optional '$' after it, then an integer with a decimal part or '/denominator', or '.5'
 _NUMBER = re.compile(

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .messages import canonical_role, role_problem
 from ..errors import DataError
+from .messages import canonical_role, role_problem
 
 SPLIT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 

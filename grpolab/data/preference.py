@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from .loading import _preview
 from ..errors import DataError
+from .loading import _preview
 from .supervised import _messages, as_sft_row, encode, fit_length
 
 

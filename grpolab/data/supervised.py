@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import DataError
 from ..utils.padding import pad_sequences
 from .loading import _preview, check_roles
-from ..errors import DataError
 from .messages import canonical_role
 
 MESSAGES_KEY = "messages"

@@ -2,20 +2,22 @@
 the report."""
 
 from __future__ import annotations
+
 import os
 from pathlib import Path
+
 import torch
 import yaml
+
 from .. import distributed
 from ..config import Config
 from ..config.load import check_output_dir
-from ..errors import ConfigError
 from ..determinism import pin_cpu_numerics
-from ..monitor.console import Console
+from ..errors import ConfigError
 from ..models.checkpoint import checkpoint_job, find_resume_checkpoint
-from ..train.resume_rules import check_resume_config
+from ..monitor.console import Console
 from ..monitor.report import write_report
-
+from ..train.resume_rules import check_resume_config
 
 EVAL_KEYS = ("greedy_accuracy", "pass@1", "pass@8", "tool_calls_per_completion")
 

@@ -1,9 +1,11 @@
 """`grpolab demo`: warm start, evaluate, GRPO, evaluate; a before/after table and summary.json."""
 
 from __future__ import annotations
+
 import json
 import time
 from pathlib import Path
+
 from .. import distributed
 from ..config import Config
 from ..monitor.console import Console

@@ -1,15 +1,15 @@
 """`grpolab distill`: a student distilled from distill.teacher (logits or on-policy)."""
 
 from __future__ import annotations
+
 from ..config import Config
-from ..errors import ConfigError
-from ..errors import DataError
+from ..errors import ConfigError, DataError
+from ..models.checkpoint import load_model
 from ..monitor.console import Console
+from ..train.distill import DistillTrainer
 from .common import model_device
 from .inputs import fit_prompts
-from ..models.checkpoint import load_model
 from .offline import finish_job, run_job, sft_data, start_job, starting_model
-from ..train.distill import DistillTrainer
 
 
 def check_vocabularies(teacher_tok, student_tok, teacher, student) -> None:

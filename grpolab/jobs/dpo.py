@@ -1,15 +1,16 @@
 """`grpolab dpo`: direct preference optimisation on (prompt, chosen, rejected) rows."""
 
 from __future__ import annotations
+
 from ..config import Config
-from ..errors import ConfigError
 from ..data.loading import read_records
 from ..data.preference import fit_pairs, preference_rows
+from ..errors import ConfigError
 from ..monitor.console import Console
-from .inputs import fit_prompts
-from ..train.sft import model_context
-from .offline import finish_job, run_job, start_job, starting_model
 from ..train.dpo import DPOTrainer
+from ..train.sft import model_context
+from .inputs import fit_prompts
+from .offline import finish_job, run_job, start_job, starting_model
 
 
 def read_pairs(cfg: Config, path: str | None) -> list[dict]:

@@ -1,16 +1,18 @@
 """`grpolab eval`: a checkpoint (ours, or any Hugging Face model directory) on the test split."""
 
 from __future__ import annotations
+
 import json
 from pathlib import Path
+
 from ..config import Config
-from ..train.evaluate import evaluate
+from ..models.checkpoint import load_model
 from ..monitor.console import Console
 from ..rollout.tool_decode import build_tool_use
-from ..models.checkpoint import load_model
+from ..train.evaluate import evaluate
 from ..train.memory_budget import check_eval_memory
-from .inputs import configure_rewards, fit_prompts, load_data
 from .common import setup_torch
+from .inputs import configure_rewards, fit_prompts, load_data
 
 
 def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from ..models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, TOOL_TOKENS, UNK_CHAR, USER, CharTokenizer
 from ..errors import ExportError
-from ..models.lora import has_lora
 from ..models.checkpoint import load_model
+from ..models.lora import has_lora
+from ..models.tokenizer import ASSISTANT, BOS, END, PAD, SPECIAL_TOKENS, TOOL_TOKENS, UNK_CHAR, USER, CharTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}

@@ -2,23 +2,25 @@
 model, the starting policy."""
 
 from __future__ import annotations
+
 import time
 from pathlib import Path
+
 from ..config import Config
 from ..data.loading import filter_long_prompts, normalize_rows, read_records
-from ..errors import DataError
 from ..data.tasks import arithmetic, pyfunc
-from ..data.tasks.humaneval import load_humaneval
 from ..data.tasks.gsm8k import load_gsm8k
-from ..monitor.console import Console
+from ..data.tasks.humaneval import load_humaneval
+from ..errors import DataError
 from ..models import CharTokenizer, build_builtin
-from ..models.hf import load_hf, resolve_device
-from ..rollout.tool_decode import build_tool_use
 from ..models.checkpoint import load_model
+from ..models.hf import load_hf, resolve_device
+from ..monitor.console import Console
+from ..rewards import code, combine, judge
+from ..rollout.tool_decode import build_tool_use
+from ..rollout.tools import load_tools
 from ..train.sft import train_sft, warm_start_hook
 from .common import model_device
-from ..rewards import code, combine, judge
-from ..rollout.tools import load_tools
 
 
 def configure_rewards(cfg: Config, console: Console | None = None) -> None:

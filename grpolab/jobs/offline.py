@@ -2,21 +2,29 @@
 around a trainer (resume, eval before and after, summary.json, report)."""
 
 from __future__ import annotations
+
 import json
 from pathlib import Path
+
 from .. import distributed
 from ..config import Config
-from ..errors import ConfigError
 from ..data.loading import normalize_rows, read_records
 from ..data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
-from ..monitor.console import Console
-from .common import (EVAL_KEYS, make_console, model_device, write_run_report, check_resume_job, setup_torch,
-                     write_run_config)
-from .inputs import configure_rewards, load_data, load_policy
+from ..errors import ConfigError
 from ..models.checkpoint import find_resume_checkpoint, load_model
+from ..monitor.console import Console
 from ..train.memory_budget import check_eval_memory
 from ..utils.files import write_json
-
+from .common import (
+    EVAL_KEYS,
+    check_resume_job,
+    make_console,
+    model_device,
+    setup_torch,
+    write_run_config,
+    write_run_report,
+)
+from .inputs import configure_rewards, load_data, load_policy
 
 BUILTIN_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval")
 

@@ -30,11 +30,11 @@ from pathlib import Path
 from ..config import Config
 from ..config.load import _apply, _flatten, parse_override, read_yaml
 from ..errors import ConfigError, DataError
+from ..models.checkpoint import list_checkpoints
 from ..monitor.console import Console
 from ..monitor.report import write_pipeline_report
 from ..utils.files import write_json
 from . import distill, dpo, rm, sample, sft, train
-from ..models.checkpoint import list_checkpoints
 
 JOBS = ("sft", "grpo", "sample", "dpo", "rm", "distill")
 

@@ -1,22 +1,24 @@
 """`grpolab rm`: a reward model trained on preference pairs."""
 
 from __future__ import annotations
+
 import random
 from pathlib import Path
+
 from .. import distributed
 from ..config import Config
-from ..errors import ConfigError
 from ..data.loading import read_records
 from ..data.preference import heldout_size, preference_rows
-from ..monitor.console import Console
-from .common import model_device, check_resume_job, write_run_config
-from ..models.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
-from .offline import finish_job, run_job
+from ..errors import ConfigError
 from ..models import CharTokenizer, build_builtin
+from ..models.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
+from ..models.hf import DTYPES, resolve_device
 from ..models.lora import lora_config
 from ..models.reward_head import BUILTIN_RM, BuiltinRewardModel, checkpoint_kind, load_builtin_rm, load_hf_rm
-from ..models.hf import DTYPES, resolve_device
+from ..monitor.console import Console
 from ..train.rm import RewardTrainer
+from .common import check_resume_job, model_device, write_run_config
+from .offline import finish_job, run_job
 
 
 def rm_pairs(cfg: Config) -> tuple[list[dict], list[dict]]:

@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from ..models.checkpoint import load_model
 from ..monitor.console import Console
-from .common import model_device, setup_torch
-from .inputs import configure_rewards, fit_prompts, load_data
 from ..rewards import reward_names
 from ..rewards.combine import score
 from ..rollout.engine import generate
 from ..rollout.keys import completion_keys
 from ..rollout.tool_decode import build_tool_use
-from ..models.checkpoint import load_model
 from ..utils.files import write_atomic
+from .common import model_device, setup_torch
+from .inputs import configure_rewards, fit_prompts, load_data
 
 SAMPLE_SALT = 0x736D706C   # 'smpl': never the keys of the training rollouts of the same seed
 

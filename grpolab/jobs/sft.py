@@ -1,11 +1,12 @@
 """`grpolab sft`: supervised fine-tuning."""
 
 from __future__ import annotations
+
 from ..config import Config
 from ..monitor.console import Console
+from ..train.sft import SFTTrainer, warm_start_hook
 from .inputs import fit_prompts
 from .offline import finish_job, run_job, sft_data, start_job, starting_model
-from ..train.sft import SFTTrainer, warm_start_hook
 
 
 def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:

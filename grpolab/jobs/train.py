@@ -1,16 +1,19 @@
 """`grpolab train`: GRPO (and its family) for train.max_steps, then the final eval."""
 
 from __future__ import annotations
+
 import json
 from pathlib import Path
+
 import torch
+
 from .. import distributed
 from ..config import Config
 from ..errors import ConfigError
-from ..monitor.console import Console
 from ..models import CharTokenizer
-from ..models.hf import resolve_device
 from ..models.checkpoint import find_resume_checkpoint, load_model
+from ..models.hf import resolve_device
+from ..monitor.console import Console
 from ..train.grpo import GRPOTrainer
 from ..train.memory_budget import builtin_shape, check_run_memory
 from .common import check_resume_job, make_console, model_device, setup_torch, write_run_config, write_run_report

@@ -48,11 +48,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_safetensors_model
 
-from . import GPT, GPTConfig, CharTokenizer
+from ..errors import CheckpointError
+from ..utils.files import write_atomic
+from . import GPT, CharTokenizer, GPTConfig
 from .hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
 from .lora import add_lora
-from ..utils.files import write_atomic
-from ..errors import CheckpointError
 
 TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
 ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from .lean_decode import LeanCache, LeanDecoder, unsupported_reason
 
 # peft (adding or loading adapters) still calls transformers' renamed is_gradient_checkpointing

@@ -9,7 +9,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..utils.padding import pad_to_width
 
-
 # optim.logprob_chunk null: chunks of AUTO_CHUNK positions where one pass's float32 logits would be
 # larger than AUTO_CHUNK_BYTES; below that, keeping them for the backward beats recomputing them
 # (SmolLM2, 8 rows x 64 positions x 49,152 tokens = 96 MiB: the GRPO update 15 % faster unchunked)

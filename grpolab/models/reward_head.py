@@ -21,14 +21,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..utils.padding import pad_sequences
-from .gpt import GPT, GPTConfig
-from .tokenizer import CharTokenizer
-from .checkpoint import checkpoint_job, load_model, load_ref_weights
-from .lora import add_lora, has_lora
 from ..data.supervised import as_sft_row, collate, encode
+from ..utils.padding import pad_sequences
+from .checkpoint import checkpoint_job, load_model, load_ref_weights
+from .gpt import GPT, GPTConfig
 from .logprobs import summed_logprobs
+from .lora import add_lora, has_lora
 from .reference import reference
+from .tokenizer import CharTokenizer
 
 BUILTIN_RM = "builtin-rm"
 

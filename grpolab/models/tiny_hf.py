@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from ..data.tasks import arithmetic
 
 # ChatML-style template: enough to exercise conversational prompts end to end. With `tools=` it lists

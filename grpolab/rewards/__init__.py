@@ -20,17 +20,16 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from .accuracy import gsm8k_accuracy
-from .code import code_exec
 from ..errors import RewardError, UnknownRewardError
-from .format import answer_format, boxed_format, think_format
 from . import length as _length
-from .length import make_length_reward
-from .accuracy import math_accuracy
-from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
+from .accuracy import gsm8k_accuracy, math_accuracy
+from .code import code_exec
 from .custom import load_reward, parse_call
-from .model import reward_model
+from .format import answer_format, boxed_format, think_format
+from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
 from .judge import get_judge
+from .length import make_length_reward
+from .model import reward_model
 from .verl_style import verl_reward
 
 RewardFn = Callable[..., list]

@@ -22,10 +22,11 @@ import time
 import torch
 
 from ..config import RewardConfig
+from ..errors import RewardError
 from . import get_reward, reward_names
 from .calling import CALL_ARGS, RewardLog, TrainerState, as_completions, bind_keywords, verl_hint
-from .code import SETTINGS as CODE_EXEC, code_exec
-from ..errors import RewardError
+from .code import SETTINGS as CODE_EXEC
+from .code import code_exec
 
 __all__ = ["RewardError", "RewardLog", "TrainerState", "check_signatures", "configure", "is_async", "number_mean",
            "score"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import ast
 import functools
-import re
 import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Callable

@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from ..utils.padding import pad_sequences
 from ..data.answers import final_answer_text
+from ..utils.padding import pad_sequences
 from .calling import completion_texts
 
 ANSWER_MARK = "#### "

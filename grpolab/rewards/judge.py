@@ -26,8 +26,8 @@ import os
 import re
 from pathlib import Path
 
-from .calling import completion_text
 from ..errors import RewardError
+from .calling import completion_text
 from .rubrics import load_rubrics
 
 PREFIX = "judge:"

@@ -16,10 +16,17 @@ from typing import Callable
 
 import torch
 
-from .calling import completion_texts
 from ..errors import RewardError
-from ..models.reward_head import (BUILTIN_RM, _architectures, checkpoint_kind, is_dpo_checkpoint, load_builtin_rm,
-                                  load_hf_rm, load_implicit_rm)
+from ..models.reward_head import (
+    BUILTIN_RM,
+    _architectures,
+    checkpoint_kind,
+    is_dpo_checkpoint,
+    load_builtin_rm,
+    load_hf_rm,
+    load_implicit_rm,
+)
+from .calling import completion_texts
 
 PREFIX = "rm:"
 

@@ -23,9 +23,9 @@ import asyncio
 import inspect
 from typing import Callable
 
+from ..errors import RewardError
 from .calling import bind_keywords, completion_texts
 from .custom import load_function, parse_call, resolved_key
-from ..errors import RewardError
 
 PREFIX = "verl:"
 SAMPLE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -23,9 +23,8 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ToolCallError
 from .tools import CallRecord
-from ..errors import ToolCallError
 
 
 def _args(text: str) -> object:

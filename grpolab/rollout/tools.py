@@ -21,10 +21,8 @@ from typing import Callable
 
 from ..errors import ConfigError, RewardError, ToolCallError
 from ..rewards.code import SETTINGS
-from ..sandbox.runner import run_program
 from ..rewards.custom import load_function
-
-
+from ..sandbox.runner import run_program
 
 # ------------------------------------------------------------------ built-in tools
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

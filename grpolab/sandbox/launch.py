@@ -13,8 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import isolate  # noqa: E402
 import grader  # noqa: E402
+import isolate  # noqa: E402
 
 JUDGE_MEMORY = 2 << 30
 

@@ -33,7 +33,6 @@ from starlette.exceptions import HTTPException
 from ..data.messages import canonical_role, role_problem
 from .batcher import BadSampling, Batcher, Choice, Job, SamplingParams, held_back
 
-
 # defaults of `grpolab serve --max-rows-per-request` and `--max-waiting` (rows = prompts × n)
 MAX_ROWS_PER_REQUEST = 1024
 MAX_WAITING = 4096

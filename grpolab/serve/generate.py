@@ -18,15 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import ConfigError
 from ..data.loading import check_roles
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..monitor.console import Console, fmt_duration
+from ..rewards import combine, judge
+from ..rewards.combine import score
 from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
 from .engine import load_engine
-from ..rewards.combine import score
-from ..rewards import combine, judge
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 OUTPUT_KEYS = ("index", "completions", "finish_reasons", "completion_tokens", "rewards", "scores")

@@ -11,7 +11,6 @@ import ipaddress
 import socket
 import sys
 
-
 from ..errors import ConfigError
 from .api import MAX_ROWS_PER_REQUEST, MAX_WAITING, Server, create_app
 from .engine import load_engine

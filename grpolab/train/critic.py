@@ -11,8 +11,8 @@ from safetensors.torch import load_model as load_safetensors_model
 from safetensors.torch import save_model
 
 from ..algorithms.losses import explained_variance, value_loss
-from ..models.value_head import Critic
 from ..models.checkpoint import _load_plain, load_model
+from ..models.value_head import Critic
 
 
 def build_critic(cfg, policy) -> Critic:

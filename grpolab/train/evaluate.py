@@ -8,13 +8,11 @@ from math import comb
 
 import torch
 
-from ..rewards import get_reward
 from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
+from ..data.math_answers import parse_completion
+from ..rewards import get_reward
 from ..rollout.engine import generate
 from ..rollout.keys import completion_keys
-from ..data.math_answers import parse_completion
-
-
 
 EVAL_SALT = 0x65766C   # 'evl'
 

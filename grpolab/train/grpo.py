@@ -20,8 +20,14 @@ import torch
 
 from .. import distributed as dist
 from .. import sharding
-from ..algorithms.advantages import (TOKEN_ESTIMATORS, compute_advantages, compute_gae, compute_reinforce_plus_plus,
-                                     compute_remax, token_level_rewards)
+from ..algorithms.advantages import (
+    TOKEN_ESTIMATORS,
+    compute_advantages,
+    compute_gae,
+    compute_reinforce_plus_plus,
+    compute_remax,
+    token_level_rewards,
+)
 from ..algorithms.aggregate import aggregate
 from ..algorithms.kl import apply_kl_in_reward, kl_penalty
 from ..algorithms.losses import compute_policy_loss
@@ -47,7 +53,6 @@ from .critic import CriticTrainer
 from .evaluate import evaluate, score_samples
 from .memory_budget import check_run_memory, model_shape
 from .schedule import lr_factor
-
 
 
 class GRPOTrainer(Trainer):

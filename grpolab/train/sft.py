@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DataError
 from ..data.supervised import Example, collate, encode, fit_length, pack, task_sft_rows
-from .evaluate import evaluate
+from ..data.tasks import arithmetic, pyfunc
+from ..errors import DataError
+from ..models.logprobs import token_logprobs
 from ..monitor.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
-from ..models.logprobs import token_logprobs
+from .evaluate import evaluate
 from .offline import OfflineTrainer, total_steps
 from .schedule import lr_factor
-from ..data.tasks import arithmetic, pyfunc
 
 
 def model_context(model) -> int | None:

@@ -8,9 +8,10 @@ Reads a jsonl/parquet file, a directory with train/test files, or the hub name '
 
 from __future__ import annotations
 
-from grpolab.data.loading import read_records
-from ...errors import DataError
 from grpolab.data.answers import extract_hash_answer, final_answer_text, format_number
+from grpolab.data.loading import read_records
+
+from ...errors import DataError
 
 HUB_NAMES = ("openai/gsm8k", "gsm8k")
 

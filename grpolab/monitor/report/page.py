@@ -6,15 +6,16 @@ embedded in the HTML as base64 data URIs so the page stands alone), and lists sa
 from the first and last logged step."""
 
 from __future__ import annotations
+
 import base64
 import datetime as _dt
 import html
 import io
 import math
 from pathlib import Path
+
 from .plots import draw_plots, eval_endpoints
 from .read import metric_keys, num, read_json, read_jsonl, series, step_values
-
 
 SAMPLES_PER_END = 4
 
@@ -146,13 +147,16 @@ def _samples_section(samples: list[dict]) -> str:
 
 
 CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1280px;margin:2em auto;padding:0 1em;color:#222}
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1280px;margin:2em auto;\
+padding:0 1em;color:#222}
 h1{font-size:1.5em} h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 h3{font-size:1.05em}
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}
 td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left} th{background:#f5f5f5}
-.plots{display:flex;flex-wrap:wrap;gap:8px} .plots figure{margin:0} .plots img{width:600px;max-width:100%;border:1px solid #eee}
-pre{background:#f7f7f7;border:1px solid #e5e5e5;padding:.5em;white-space:pre-wrap;word-break:break-word;font-size:.85em;max-height:30em;overflow:auto}
+.plots{display:flex;flex-wrap:wrap;gap:8px} .plots figure{margin:0} \
+.plots img{width:600px;max-width:100%;border:1px solid #eee}
+pre{background:#f7f7f7;border:1px solid #e5e5e5;padding:.5em;white-space:pre-wrap;word-break:break-word;\
+font-size:.85em;max-height:30em;overflow:auto}
 .sample{border-left:3px solid #4c78a8;padding-left:.8em;margin:1em 0} .label{color:#666;font-size:.8em;margin-top:.3em}
 .meta{font-size:.9em} .note{color:#a60}
 """
@@ -240,7 +244,8 @@ def write_pipeline_report(root: str | Path) -> Path:
             note = f"reward model: held-out pair accuracy {_fmt(s['rm_eval'].get('accuracy'))}"
         if s.get("sample"):
             st = s["sample"]
-            note = f"{st.get('pairs', st.get('accepted'))} {'pairs' if s.get('pairs') else 'rows'} from {st.get('samples')} samples"
+            note = (f"{st.get('pairs', st.get('accepted'))} {'pairs' if s.get('pairs') else 'rows'} "
+                    f"from {st.get('samples')} samples")
         link = f'<a href="{_e(Path(s.get("dir", "")).name)}/report.html">{_e(label)}</a>' \
             if s.get("checkpoint") or s.get("reward_model") else _e(label)
         rows.append([link] + [_e(ev.get(m)) for m in metrics] + [_e(note)])

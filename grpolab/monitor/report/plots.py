@@ -2,11 +2,12 @@
 run did not log says so, so every run has the same set of files."""
 
 from __future__ import annotations
+
 import base64
 import io
 from pathlib import Path
-from .read import metric_keys, num, series, step_values
 
+from .read import metric_keys, num, series, step_values
 
 PLOTS = ("reward", "eval", "length", "kl", "entropy", "clip_ratio", "timing", "grad_lr")
 
@@ -34,7 +35,8 @@ def _plot_reward(ax, rows, keys) -> None:
         return _placeholder(ax, "reward")
     if ys:
         ax.plot(xs, ys, color="C0", lw=2, label="reward (mean)")
-        band = [(x, y, num(r.get("reward_std"))) for x, y, r in zip(step_values(rows), [num(r.get("reward")) for r in rows], rows)]
+        band = [(x, y, num(r.get("reward_std")))
+                for x, y, r in zip(step_values(rows), [num(r.get("reward")) for r in rows], rows)]
         band = [(x, y, s) for x, y, s in band if y is not None and s is not None]
         if band:
             bx = [b[0] for b in band]

@@ -1,6 +1,7 @@
 """Reading a run directory for the report: metrics rows, JSON files, numeric series by step."""
 
 from __future__ import annotations
+
 import json
 import math
 from pathlib import Path

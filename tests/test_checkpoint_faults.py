@@ -79,6 +79,7 @@ def _reseal(ckpt):
 
 # ---------------------------------------------------------------- the manifest
 
+@pytest.mark.slow
 def test_every_checkpoint_has_a_manifest_of_its_files(base):
     ckpt = base / "checkpoints" / "step_2"
     m = json.loads((ckpt / "manifest.json").read_text())
@@ -134,6 +135,7 @@ def test_a_missing_or_unlisted_file_and_a_renamed_step_are_refused(base, tmp_pat
         find_resume_checkpoint(str(ckpts / "step_7"), run)
 
 
+@pytest.mark.slow
 def test_resume_auto_falls_back_to_the_previous_checkpoint_and_continues_exactly(base, tmp_path):
     """step_3 holds step_2's optimizer state, and the crash tore metrics.jsonl's last line: resume=auto
     says so, moves step_3 aside, resumes from step_2 and writes the uninterrupted run's records and weights."""
@@ -275,6 +277,7 @@ def test_resume_with_a_changed_config_is_refused_listing_the_keys(base, tmp_path
     assert (run / "config.yaml").read_text() == before   # a refused resume leaves config.yaml as it was
 
 
+@pytest.mark.slow
 def test_resume_with_safe_changes_goes_on_and_updates_config_yaml(base, tmp_path):
     run = _copy(base, tmp_path)
     r = run_cli(*ARGS, "train.max_steps=4", "log.samples_every=2", "eval.k=4", f"train.output_dir={run}",
@@ -304,6 +307,7 @@ def _in_tiny_tmpfs(size: str, mnt, script: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_that_names_the_checkpoint_kept(base, tmp_path):
     """A tmpfs that holds step_1 but not step_2 (its optimizer.pt: torch's writer fails 'unexpected pos')."""
     mnt, saved = tmp_path / "mnt", tmp_path / "saved"

@@ -20,6 +20,7 @@ def _last(r):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line(tmp_path):
     mnt = tmp_path / "full"
     r, _ = _mounted("size=64k", mnt, "tiny-model", str(mnt / "m"))
@@ -27,6 +28,7 @@ def test_a_full_disk_is_one_line(tmp_path):
     assert _last(r) == "grpolab: error: disk full while writing a .safetensors file (No space left on device)"
 
 
+@pytest.mark.slow
 def test_a_read_only_file_system_is_one_line(tmp_path):
     mnt = tmp_path / "ro"
     r, left = _mounted("ro", mnt, "tiny-model", str(mnt / "m"))

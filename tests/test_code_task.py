@@ -138,6 +138,7 @@ run_programs([sleepy] * 4, Limits(timeout=60), max_concurrent=2)
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_kills_every_sandbox_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT, env={**os.environ, "GRPOLAB_CTRL_C_TEST": str(tmp_path)})
@@ -153,6 +154,7 @@ def test_ctrl_c_kills_every_sandbox_at_once(tmp_path):
     assert not _sandboxes(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_sandboxes_die_with_a_killed_trainer(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT, env={**os.environ, "GRPOLAB_CTRL_C_TEST": str(tmp_path)})
@@ -195,6 +197,7 @@ def _code_run(out: Path) -> tuple[dict, list[dict]]:
     return final, metrics
 
 
+@pytest.mark.slow
 def test_grpo_on_pyfunc_is_scored_by_code_exec_and_bit_identical_across_runs(tmp_path):
     final, metrics = _code_run(tmp_path / "a")
     assert set(final) >= {"greedy_accuracy", "pass@1", "pass@2"} and not any(k.startswith("maj@") for k in final)

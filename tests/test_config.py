@@ -57,6 +57,7 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing written for a config that does not validate
 
 
+@pytest.mark.slow
 def test_cli_missing_config_file_and_bad_yaml(tmp_path):
     r = run_cli("train", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr

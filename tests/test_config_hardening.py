@@ -83,6 +83,7 @@ def test_a_number_too_big_for_a_float_is_refused_not_a_traceback():
         load_config(None, ["optim.lr=1" + "0" * 400])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,key", [("optim.lr=inf", "optim.lr"), ("algorithm.beta=inf", "algorithm.beta")])
 def test_cli_refuses_infinite_lr_and_beta_in_one_line(override, key, tmp_path):
     r = run_cli("train", override, f"train.output_dir={tmp_path / 'run'}", timeout=120)

@@ -32,6 +32,7 @@ def _result(out):
     return metrics, weights, json.loads((out / "eval.json").read_text())
 
 
+@pytest.mark.slow
 def test_same_run_alone_and_two_at_once_is_bit_identical(tmp_path):
     alone = _start(tmp_path / "alone")
     assert alone.wait(timeout=600) == 0, alone.stderr.read()
@@ -58,6 +59,7 @@ a = torch.randn(256, 512)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch build does not use MKL")
 @pytest.mark.parametrize("threads", [0, 1])
 def test_mkl_runs_reproducibly_with_fixed_threads(threads):
@@ -77,6 +79,7 @@ def test_mkl_runs_reproducibly_with_fixed_threads(threads):
         assert re.search(rf"NThr:{want}\b", ln), ln
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch build does not use MKL")
 def test_the_train_command_pins_mkl(tmp_path):
     """The product, not only the helper: every matrix product of `grpolab train` (warm start, rollout,

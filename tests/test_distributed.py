@@ -28,6 +28,7 @@ def split_and_whole(tmp_path_factory):
         torch.load(d / "rollouts.pt", weights_only=False)["policy"]
 
 
+@pytest.mark.slow
 def test_update_over_two_ranks_equals_one_process(split_and_whole):
     two, one, start = split_and_whole
     assert set(two) == set(one) == set(dist_cases.CASES) and len(one) == 67
@@ -56,6 +57,7 @@ def test_update_over_two_ranks_equals_one_process(split_and_whole):
     assert len({round(one[c]["loss"], 6) for c in dist_cases.CASES}) > 10
 
 
+@pytest.mark.slow
 def test_fsdp_update_equals_ddp_and_one_process_on_a_tiny_llama(tmp_path):
     """train.strategy=fsdp over 2 ranks, a tiny Hugging Face Llama with tied embeddings: the same
     gradients and update as ddp and as one process; the gathered checkpoint is an ordinary
@@ -90,6 +92,7 @@ def test_fsdp_update_equals_ddp_and_one_process_on_a_tiny_llama(tmp_path):
         assert (v - last[f"hf.{k}"]).abs().max() <= 1e-5, k
 
 
+@pytest.mark.slow
 def test_fsdp_on_the_builtin_gpt_equals_one_process(tmp_path):
     """train.strategy=fsdp on the built-in GPT, whose blocks return a view (addmm(...).view): the
     gradients and the update are one process's, so torch's "returned a view tensor ... wrong
@@ -126,6 +129,7 @@ def _train_here(*overrides):
     build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()
 
 
+@pytest.mark.slow
 def test_fsdp_run_resumes_across_world_sizes(tmp_path):
     """A tiny Llama trained for 3 steps in one process, and the same run as 1 process (step 1), then
     2 fsdp ranks (step 2), then 1 process (step 3), each resuming the other's checkpoint: the same
@@ -164,6 +168,7 @@ DEMO_SMALL = ["sft.steps=10", "sft.bare_steps=0", "train.max_steps=2", "eval.num
               "log.samples_every=1", "log.samples_per_step=64", "train.threads=1"]
 
 
+@pytest.mark.slow
 def test_demo_config_on_two_ranks_matches_one_process(tmp_path):
     """configs/demo.yaml for 2 steps, in one process and on 2 ranks, same seed: the same completions
     at step 1 (rank 0 holds the first 8 of the 16 prompts), and the same rewards, losses and grad
@@ -208,6 +213,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_launchers_as_two_machines(tmp_path):
     """torchrun --nnodes 2 --nproc_per_node 1 twice, rendezvous on 127.0.0.1: one run of 2 ranks."""
     port, out = _free_port(), tmp_path / "run"
@@ -249,6 +255,7 @@ def _start_long_run(out, rank=1):
     return launcher, pids[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_signal_to_one_rank_stops_all_after_the_same_step(tmp_path, rank):
     import os
@@ -265,6 +272,7 @@ def test_signal_to_one_rank_stops_all_after_the_same_step(tmp_path, rank):
     assert (out / "checkpoints" / f"step_{last}").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to the launcher"])
 def test_signal_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path, how):
     """Ctrl-C in the terminal (SIGINT to the launcher and the ranks) or a scheduler's SIGTERM to the
@@ -288,6 +296,7 @@ def test_signal_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path, h
     assert json.loads((out / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())["step"] == last
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_the_run_and_one_process_resumes(tmp_path):
     import os
     import signal
@@ -318,6 +327,7 @@ def picky(completions, **kwargs):
 """
 
 
+@pytest.mark.slow
 def test_exception_on_one_rank_stops_the_run_with_its_own_error(tmp_path):
     """A reward function that raises on rank 1 only: rank 1 says why in one line, the launcher names
     rank 1, not rank 0, and no traceback. Rank 0 says it stopped because a rank left when it was
@@ -344,6 +354,7 @@ def test_unstride_restores_the_order_of_a_strided_split():
         assert unstride([items[r::n] for r in range(n)]) == items
 
 
+@pytest.mark.slow
 def test_demo_with_two_ranks(tmp_path):
     """`grpolab demo --nproc 2`: one before/after table and summary.json, from rank 0, with the same
     numbers as the 1-process demo of the same settings."""
@@ -369,6 +380,7 @@ def half(completions, **kwargs):
 """
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_over_two_ranks(tmp_path):
     """Every rank takes the same number of rounds and keeps its share: metrics.jsonl reports the
     global count of kept groups, and the run finishes (no rank waits on a collective alone)."""

@@ -65,6 +65,7 @@ def _case(name, tmp_path):
     return ["train", *QUICK, out, *args], want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["unknown key", "bad value", "missing config file", "malformed row",
                                   "missing column", "unknown reward", "reward raises", "reward wrong count",
                                   "reward NaN", "prompt too long", "missing model", "unwritable output",
@@ -86,6 +87,7 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_holding_a_pickled_object(tmp_path):
     """optimizer.pt loads with weights_only=True: a pickled object is refused in one line, never run."""
     import torch

@@ -51,6 +51,7 @@ def test_maj_at_k_under_math_accuracy_votes_like_the_exact_check():
     assert out["maj@5"] == 1.0 and out["pass@1"] == pytest.approx(3 / 5)
 
 
+@pytest.mark.slow
 def test_eval_every_rows_equal_grpolab_eval_of_that_checkpoint(tmp_path):
     """metrics.jsonl's eval/* at step 2 are what `grpolab eval` reports for checkpoints/step_2."""
     import json

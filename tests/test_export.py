@@ -56,6 +56,7 @@ def _in_process(out, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_builtin_gpt_exports_as_an_hf_model_with_the_same_logits(tmp_path, lora):
     """A trained built-in GPT (LoRA adapters merged in when it has them) becomes an Arcee-architecture

@@ -38,6 +38,7 @@ def _strip_timing(path):
             for line in open(path)]
 
 
+@pytest.mark.slow
 def test_short_grpo_run_raises_training_reward(tmp_path):
     cfg = load_config(None, EASY + ["train.max_steps=40", f"train.output_dir={tmp_path}"])
     setup_torch(cfg)
@@ -60,6 +61,7 @@ def test_lr_schedule_warmup_then_decay():
     assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5) and lr_factor(10, 2, 10, "cosine") == pytest.approx(0)
 
 
+@pytest.mark.slow
 def test_train_cli_writes_run_dir_and_same_seed_gives_same_metrics(tmp_path):
     runs = []
     for name in ("a", "b"):
@@ -81,6 +83,7 @@ def test_train_cli_writes_run_dir_and_same_seed_gives_same_metrics(tmp_path):
     assert sorted(p.name for p in (runs[0] / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
 
+@pytest.mark.slow
 def test_different_seed_gives_different_metrics(tmp_path):
     outs = []
     for seed in (0, 1):
@@ -91,6 +94,7 @@ def test_different_seed_gives_different_metrics(tmp_path):
     assert outs[0] != outs[1]
 
 
+@pytest.mark.slow
 def test_demo_cli_writes_summary_and_eval_cli_reads_the_checkpoint(tmp_path):
     out = tmp_path / "demo"
     r = run_cli("demo", "--steps", "2", "--seed", "3", *TINY, f"train.output_dir={out}")   # as --out does

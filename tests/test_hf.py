@@ -78,6 +78,7 @@ def _gsm8k_file(path, rows):
             f.write(json.dumps({"question": r["prompt"], "answer": f"{steps}\n#### {r['answer'].split()[-1]}"}) + "\n")
 
 
+@pytest.mark.slow
 def test_train_then_eval_through_the_cli(tiny_dir, tmp_path):
     """GRPO steps on a GSM8K-format file, checkpoint in HF layout, then `grpolab eval` on it."""
     from transformers import AutoModelForCausalLM
@@ -140,6 +141,7 @@ def test_trainer_logprobs_equal_a_plain_forward_per_row(policy):
         torch.testing.assert_close(lp[i][g.completion_mask[i]], plain, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_tiny_model_cli_then_gsm8k_tiny_hf_config(tmp_path, gsm8k_dir):
     """`grpolab tiny-model` then configs/gsm8k_tiny_hf.yaml, 3 steps: on the shared GSM8K files when
     they are beside the repository, else on GSM8K-format files written here."""
@@ -166,6 +168,7 @@ def test_tiny_model_cli_then_gsm8k_tiny_hf_config(tmp_path, gsm8k_dir):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_hf_resume_with_a_reference_model(tiny_dir, tmp_path):
     """Tied embeddings in the reference checkpoint; a resumed HF run continues to the same metrics."""
     _gsm8k_file(tmp_path / "train.jsonl", arithmetic.generate("train", 40, seed=1))

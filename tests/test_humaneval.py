@@ -26,10 +26,12 @@ def failing(rows, got, want):
     return [(r["task_id"], s) for r, s in zip(rows, got) if s != want]
 
 
+@pytest.mark.slow
 def test_canonical_solutions_pass_completion_style(rows):
     assert failing(rows, scores(rows, [r["answer"] for r in rows]), 1.0) == []
 
 
+@pytest.mark.slow
 def test_return_none_bodies_fail(rows):
     assert failing(rows, scores(rows, ["    return None\n"] * len(rows)), 0.0) == []
 

@@ -179,6 +179,7 @@ def test_scores_are_the_servers_answers_parsed(served, key):
                        "judge/t/unparsed": sum(w is None for w in want)}
 
 
+@pytest.mark.slow
 def test_concurrency_limit_holds_at_the_server(served, key):
     """With at most c requests in flight, the server needs at least (tokens of all answers) / c decode
     steps: each step samples one token for each request in its batch."""
@@ -247,6 +248,7 @@ def _metrics(run_dir) -> list[dict]:
             for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_grpo_with_a_judge_resumes_from_its_cache_survives_a_dead_server_and_never_logs_the_key(
         judge_ckpt, tmp_path, key, capfd):
     import shutil

@@ -64,6 +64,7 @@ def _taught_model(path):
     return path
 
 
+@pytest.mark.slow
 def test_lm_eval_and_grpolab_agree_problem_by_problem(tmp_path, gsm8k_dir):
     model = _taught_model(tmp_path / "model")
     out = tmp_path / "out"

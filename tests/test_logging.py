@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
 from conftest import run_cli
 from test_grpo import TINY
 
 
+@pytest.mark.slow
 def test_verbose_run_records_samples_tensorboard_and_report(tmp_path):
     out = tmp_path / "run"
     r = run_cli("train", *TINY, "train.max_steps=3", f"train.output_dir={out}", "log.level=verbose",
@@ -26,6 +28,7 @@ def test_verbose_run_records_samples_tensorboard_and_report(tmp_path):
     assert html.count("<img") >= 6
 
 
+@pytest.mark.slow
 def test_quiet_level_prints_no_step_lines(tmp_path):
     r = run_cli("train", *TINY, "train.max_steps=2", f"train.output_dir={tmp_path}", "log.level=quiet")
     assert r.returncode == 0, r.stderr
@@ -33,6 +36,7 @@ def test_quiet_level_prints_no_step_lines(tmp_path):
     assert "final eval" in r.stdout
 
 
+@pytest.mark.slow
 def test_report_command_on_a_run(tmp_path):
     out = tmp_path / "run"
     assert run_cli("train", *TINY, "train.max_steps=2", f"train.output_dir={out}").returncode == 0

@@ -92,6 +92,7 @@ def _train_in_process(*overrides):
     build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()
 
 
+@pytest.mark.slow
 def test_lora_run_of_the_gsm8k_tiny_hf_config_resumes_exactly(tmp_path, llama_dir, gsm8k_dir):
     """configs/gsm8k_tiny_hf.yaml with LoRA, 3 steps, against the same run stopped after step 2 and
     resumed: the same metrics. The checkpoint is peft's adapter layout; PeftModel loads it on

@@ -65,6 +65,7 @@ def test_chat_prompt_on_a_tokenizer_without_template_is_a_data_error(no_template
         tok.render_conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
 
 
+@pytest.mark.slow
 def test_cli_chat_rows_on_a_model_without_template_stop_at_start_up(no_template_dir, tmp_path):
     rows = tmp_path / "chat.jsonl"
     rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+1?"}],
@@ -130,6 +131,7 @@ def test_cli_hf_hub_offline_is_one_line(tmp_path):
               "HF_HUB_OFFLINE is set")
 
 
+@pytest.mark.slow
 def test_a_cached_hub_model_loads_when_the_hub_is_unreachable(no_template_dir, tmp_path):
     env = _no_hub(tmp_path)
     snapshot = tmp_path / "hf" / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)

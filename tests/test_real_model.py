@@ -27,6 +27,7 @@ def smol():
     return load_hf(str(fetch_smollm2.fetch(fetch_smollm2.DEFAULT_OUT)))
 
 
+@pytest.mark.slow
 def test_the_gguf_file_loads_as_the_directory_it_was_converted_to(smol, tmp_path):
     """A .gguf path (and a folder holding one) is a model: the same weights as the converted directory."""
     import subprocess
@@ -55,6 +56,7 @@ def test_message_prompts_are_the_chat_templates_generation_prompt(smol):
     assert end_of_turn in tok.stop_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lean", [True, False])
 def test_greedy_tokens_equal_transformers_generate(smol, lean):
     """Batched, left-padded decode (lean path and HF's own cache) == model.generate on each prompt alone,
@@ -73,6 +75,7 @@ def test_greedy_tokens_equal_transformers_generate(smol, lean):
     assert tok.decode(ours.completion_ids[0][ours.completion_mask[0]].tolist()).strip().endswith("4.")
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_equal_the_trainers_and_a_plain_forward(smol):
     """The trainer's padded-batch log-probs == log_softmax of a plain unpadded transformers forward, to 1e-5.
     The engine's sampler log-probs come from token-by-token decoding with a KV cache: on this 30-layer model
@@ -93,6 +96,7 @@ def test_sampler_logprobs_equal_the_trainers_and_a_plain_forward(smol):
         torch.testing.assert_close(lp[i][g.completion_mask[i]], plain, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
     """With peft adapters (the real-model configs' LoRA, B made non-zero) rollouts still take the lean path,
     which merges the adapters into its weights; the trainer's forward keeps them separate, one rounding more

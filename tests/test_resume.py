@@ -33,6 +33,7 @@ def _args(tmp_path, out):
             "train.save_every=1", "train.keep_checkpoints=2", f"train.output_dir={out}"]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_identical_metrics(tmp_path):
     straight = tmp_path / "straight"
     r = run_cli(*_args(tmp_path, straight))
@@ -60,6 +61,7 @@ def test_sigkill_then_resume_gives_identical_metrics(tmp_path):
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step_5", "step_6"]
 
 
+@pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_exits(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *_args(tmp_path, out),
@@ -78,6 +80,7 @@ def test_sigint_saves_a_checkpoint_and_exits(tmp_path):
     assert len(steps) == 1 and steps[0] == f"step_{len(metrics.read_text().splitlines())}"
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     """A wide model makes each checkpoint write take a while; kill as soon as one is being written."""
     from grpolab.models.checkpoint import list_checkpoints, load_model
@@ -160,6 +163,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_resume_from_an_explicit_path_rewrites_the_same_records(tmp_path, case):
     args = BASE + CASES[case]
@@ -204,6 +208,7 @@ def _check_tensorboard(straight, resumed):
             assert got[tag] == points, tag   # each step once, the uninterrupted run's values
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_continues_under_the_same_id(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -157,7 +157,7 @@ def test_trainer_state_completion_ids_and_log_metric(tmp_path):
         assert m["progress/batch_size"] == B
         assert m["reward"] == pytest.approx(m["rewards/progress/mean"], abs=1e-5)   # the only reward, weight 1
         # passes over the train prompts before this step: 2 prompts per step out of the rows kept
-        assert m["progress/epoch"] == pytest.approx(step * 2 / len(tr.sampler.rows))
+        assert m["progress/epoch"] == pytest.approx(step * 2 / tr.sampler.n)
     assert len({m["rewards/progress/mean"] - m["completions/mean_length"] for m in history}) == 2
 
 
@@ -199,6 +199,7 @@ def test_reward_functions_cannot_edit_the_dataset_rows(monkeypatch):
 
 # ---- signatures that fit neither convention ------------------------------------------------------
 
+@pytest.mark.slow
 def test_misfit_signature_is_one_line_before_the_first_rollout(tmp_path):
     (tmp_path / "r.py").write_text("def gold(completions, gold_answer):\n    return [0.0] * len(completions)\n"
                                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

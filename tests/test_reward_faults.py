@@ -145,6 +145,7 @@ def _late(name):
 
 
 # ---- item 2: reward.timeout --------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("fn,limit", [("spins", 1.5), ("sleeps", 1.5), ("catches", 1.5), ("awaits", 1.5),
                                       ("blocks_the_loop", 0.5 + 2.0 + 1.5)])
 def test_a_reward_that_never_returns_stops_at_reward_timeout(faults, fn, limit):
@@ -157,6 +158,7 @@ def test_a_reward_that_never_returns_stops_at_reward_timeout(faults, fn, limit):
     assert 0.5 <= took < limit, took
 
 
+@pytest.mark.slow
 def test_after_a_stuck_event_loop_async_rewards_run_on_a_new_one(faults):
     path, _ = faults
     with pytest.raises(RewardError, match="blocks_the_loop' did not return"):
@@ -306,6 +308,7 @@ def test_sys_exit_in_a_user_tool_is_a_tool_error(tmp_path):
     assert rec.error and rec.output == "error: SystemExit: 3"
 
 
+@pytest.mark.slow
 def test_sys_exit_in_a_reward_exits_2_through_the_cli(faults, tmp_path):
     path, _ = faults
     r = run_cli("train", *QUICK, f"train.output_dir={tmp_path / 'run'}", f"reward.functions=[{path}:exits_0]")
@@ -379,6 +382,7 @@ def hangs_later(completions, trainer_state, **_):
 '''
 
 
+@pytest.mark.slow
 def test_a_hanging_reward_exits_2_and_the_run_resumes_from_the_checkpoint_before(tmp_path):
     f = tmp_path / "later.py"
     f.write_text(HANG_AT_STEP_2)
@@ -405,6 +409,7 @@ def test_a_hanging_reward_exits_2_and_the_run_resumes_from_the_checkpoint_before
     assert "resuming from" in r.stderr + r.stdout and (out / "checkpoints" / "step_3").is_dir()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_step_stuck_in_a_reward(tmp_path):
     """SIGINT while a reward hangs: training's first Ctrl-C asks to stop after the step (which never
     ends), the second stops now; within seconds, exit 130, a message that says where."""

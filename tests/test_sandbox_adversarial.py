@@ -597,6 +597,7 @@ def _results(step) -> dict[str, list[tuple[float, str, str]]]:
 
 
 # ---------------------------------------------------------------------------- the tests
+@pytest.mark.slow
 def test_the_step_completes_within_its_budget_and_uses_every_row_once(step):
     assert step["error"] is None, step["error"]   # the trainer survived every program
     assert step["trainer"].step == 1 and len(step["history"]) == 1

@@ -106,6 +106,7 @@ def test_sysv_shm_bomb_stays_within_shm_mb_on_the_host():
     assert (host.after - host.before) / 1024 < SLACK_MB   # and it is freed with the sandbox
 
 
+@pytest.mark.slow
 def test_the_code_exec_reward_keeps_a_batch_of_shm_bombs_bounded():
     """The issue's reproduction: 8 programs through the code_exec reward, memory_mb=256,
     max_concurrent=1 (one after another, so any segment left behind would add up)."""
@@ -229,6 +230,7 @@ def test_an_inode_bomb_in_tmp_is_stopped_at_tmp_inodes():
     assert time.monotonic() - t0 < limits.timeout
 
 
+@pytest.mark.slow
 def test_a_program_that_keeps_bombing_returns_within_its_timeout_and_teardown():
     limits = Limits(timeout=2.0)
     t0 = time.monotonic()

@@ -183,6 +183,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_rows(server):
     assert h["running"] == 0 and health()["steps"] - before < 400
 
 
+@pytest.mark.slow
 def test_64_concurrent_requests_equal_one_at_a_time(client, server):
     """Rows join and leave a running batch (max batch 16, so most requests wait their turn too)."""
     one = [_chat(client, q, temperature=0, max_tokens=48).choices[0].message.content for q in QUESTIONS]
@@ -197,6 +198,7 @@ def test_64_concurrent_requests_equal_one_at_a_time(client, server):
     assert len(set(one)) > 32
 
 
+@pytest.mark.slow
 def test_ctrl_c_drains_in_flight_requests(ckpt):
     with running_server(ckpt, "--name", "tiny") as (url, proc):
         ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -282,6 +284,7 @@ def test_held_back_text_waits_for_possible_stop_strings():
 
 # ---- other model directories ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_an_export_is_served_as_the_checkpoint_is(ckpt, client, tmp_path):
     """`grpolab export` of the built-in checkpoint (an HF Arcee model: HF's own cache path) answers as the
     checkpoint does, also with requests joining each other."""
@@ -338,6 +341,7 @@ def test_a_lora_checkpoint_is_served_merged_and_sliding_windows_are_refused(tmp_
 
 # ---- grpolab generate --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_generate_writes_resumes_and_scores(ckpt, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows = [{"prompt": q, "id": f"q{i}"} for i, q in enumerate(QUESTIONS[:6])]
@@ -369,6 +373,7 @@ def test_generate_writes_resumes_and_scores(ckpt, tmp_path):
     assert out.read_text() == full
 
 
+@pytest.mark.slow
 def test_generate_errors_name_the_row(ckpt, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"question": "no prompt"}) + "\n")

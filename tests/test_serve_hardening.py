@@ -92,6 +92,7 @@ def test_every_request_but_health_needs_the_key(server):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
 
 
+@pytest.mark.slow
 def test_the_key_can_come_from_the_environment(ckpt, monkeypatch):
     monkeypatch.setenv("GRPOLAB_API_KEY", "from-env")   # inherited by the server's process
     with running_server(ckpt, "--name", "tiny") as (url, proc):
@@ -100,6 +101,7 @@ def test_the_key_can_come_from_the_environment(ckpt, monkeypatch):
     assert proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_non_loopback_host_without_a_key_is_warned_about(tmp_path):
     """The warning comes before the model loads (here: a missing one, so nothing is served)."""
     missing = tmp_path / "no_model"
@@ -256,6 +258,7 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(ckpt):
     assert "serving" not in r.stdout and took < 30   # refused before loading the model
 
 
+@pytest.mark.slow
 def test_port_zero_serves_on_a_free_port_and_says_which(ckpt):
     proc = subprocess.Popen([sys.executable, "-m", "grpolab", "serve", str(ckpt), "--port", "0", "--name", "z",
                              "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -338,6 +341,7 @@ def test_export_on_a_read_only_file_system_is_one_line(ckpt, tmp_path):
     assert left == []
 
 
+@pytest.mark.slow
 def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tmp_path):
     mnt = tmp_path / "full"
     r, left = _mounted("size=64k", mnt, "export", str(ckpt), str(mnt / "export"))
@@ -349,6 +353,7 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(ckpt, tmp_path):
 
 # ---- interruptions -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ctrl_c_says_interrupted_not_a_blank_line(ckpt, tmp_path):
     """SIGINT while generate waits for its input (a FIFO nobody writes yet): a bare KeyboardInterrupt."""
     fifo = tmp_path / "in.fifo"
@@ -375,6 +380,7 @@ def test_ctrl_c_says_interrupted_not_a_blank_line(ckpt, tmp_path):
     assert proc.returncode == 130 and err == "grpolab: interrupted\n", err
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_generate_says_what_was_kept(ckpt, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(400)))

@@ -221,6 +221,7 @@ def _pipeline(out: Path, *extra) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_r1_pipeline_killed_in_its_third_stage_resumes_to_the_same_result(tmp_path):
     a = _pipeline(tmp_path / "a")
     b = _pipeline(tmp_path / "b")

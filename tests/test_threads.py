@@ -60,6 +60,7 @@ def _workers_cpu(order: str) -> float:
     return float(r.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenMP needs 2 cores to run a region on 2 threads")
 def test_idle_openmp_workers_sleep_instead_of_spinning():
     """The runtime really runs with the passive policy: between regions the worker thread burns
@@ -83,6 +84,7 @@ def _losses(out) -> list[tuple[str, str]]:
     return [(float(r["loss"]).hex(), float(r["grad_norm"]).hex()) for r in rows]
 
 
+@pytest.mark.slow
 def test_the_wait_policy_changes_no_bits(tmp_path):
     """`grpolab sft` at train.threads=0 computes the same losses and gradient norms, bit for bit, with
     the passive policy (now) and with OpenMP's spinning default (torch imported first: before)."""

@@ -236,6 +236,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"), layers=1, hidden=32, heads=2, intermediate=64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("why", ["no tool support", "rewriting the turns"])
 def test_the_cli_stops_at_start_up_with_one_line(tmp_path, gsm8k_dir, tiny_dir, why):
     """`grpolab train` with rollout.tools on a model whose template cannot carry them: one line, exit 2,
@@ -259,6 +260,7 @@ def test_the_cli_stops_at_start_up_with_one_line(tmp_path, gsm8k_dir, tiny_dir, 
     assert not (out / "metrics.jsonl").exists() and not (out / "samples.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_rollout_with_tools_on_the_real_model(smol_dir, calc):
     """Sampled rollouts of SmolLM2 with the calculator: the tools in every prompt, the completions end at
     <|im_end|>, and the trainer's log-probs of what was sampled match the sampler's."""

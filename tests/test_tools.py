@@ -125,6 +125,7 @@ def _text(tok, g, i):
     return tok.decode(g.completion_ids[i][g.context_mask[i]].tolist())
 
 
+@pytest.mark.slow
 def test_rows_with_different_numbers_of_calls_in_one_batch(scripted, tools):
     model, tok = scripted
     g = _run(model, tok, ["none", "one", "two"], tools)

@@ -47,6 +47,7 @@ def tool_model(tmp_path_factory):
     tu.close()
 
 
+@pytest.mark.slow
 def test_template_renders_tools_and_results(tool_model):
     _, tok, tu, prompt = tool_model
     text = tok.tok.decode(prompt)
@@ -109,6 +110,7 @@ def test_templates_without_tool_support_are_refused(tool_model):
         tok.tok.chat_template = saved
 
 
+@pytest.mark.slow
 def test_grpo_on_an_hf_model_with_tools_through_the_cli(tool_model, tmp_path):
     """`grpolab train` on the tool-calling Llama: the calls run inside the rollouts and the records show them."""
     import json

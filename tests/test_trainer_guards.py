@@ -164,6 +164,7 @@ def test_an_offline_step_that_overflows_float16_weights_is_undone(tmp_path):
     assert all(torch.equal(saved[k], original[k].to(saved[k].dtype)) for k in original if k in saved)
 
 
+@pytest.mark.slow
 def test_by_default_an_overflowing_update_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """Without train.undo_nonfinite_updates (no per-step copy), the first update that overflows the float16
     weights stops the run: exit 2, one line, and no checkpoint holds the broken weights."""

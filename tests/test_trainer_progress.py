@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 from conftest import ROOT, run_cli
 from test_grpo import TINY, make_trainer
@@ -95,6 +96,7 @@ def _start(tmp_path, reward, *extra):
     return proc, lines
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_a_step_stuck_in_a_reward_at_once(tmp_path):
     flag = tmp_path / "in_reward"
     (tmp_path / "r.py").write_text(f"import pathlib, time\n\ndef stuck(completions, **kw):\n"
@@ -122,6 +124,7 @@ def test_a_second_ctrl_c_stops_a_step_stuck_in_a_reward_at_once(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()   # the step was never finished
 
 
+@pytest.mark.slow
 def test_sigterm_is_acknowledged_then_the_step_finishes_and_is_saved(tmp_path):
     """Also: the warm start shows its progress, a line per interval with an ETA."""
     flag = tmp_path / "in_reward"
@@ -146,6 +149,7 @@ def test_sigterm_is_acknowledged_then_the_step_finishes_and_is_saved(tmp_path):
     assert warm[-1].startswith("[####################] warm start: sft step 40/40")
 
 
+@pytest.mark.slow
 def test_the_final_eval_is_logged_and_short_runs_keep_their_first_and_last_samples(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out = tmp_path / "run"
@@ -165,6 +169,7 @@ def test_the_final_eval_is_logged_and_short_runs_keep_their_first_and_last_sampl
     assert samples == [1, 1, 3, 3]
 
 
+@pytest.mark.slow
 def test_a_fresh_model_has_a_dash_not_nan_before_training(tmp_path):
     r = run_cli("sft", *TINY, "sft.steps=3", "eval.num_problems=4", "eval.k=1", f"train.output_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
@@ -174,6 +179,7 @@ def test_a_fresh_model_has_a_dash_not_nan_before_training(tmp_path):
     assert "nan" not in r.stdout
 
 
+@pytest.mark.slow
 def test_a_finished_offline_run_continued_further_equals_an_unbroken_one(tmp_path):
     """sft for 2 steps (its final eval logged with step 2), then sft.steps=3 with train.resume=auto (a
     constant learning rate: a decaying one depends on sft.steps): the 3 rows equal an unbroken 3-step run's,

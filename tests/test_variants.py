@@ -167,6 +167,7 @@ def test_overlong_shaping_penalises_long_completions(tmp_path):
     torch.testing.assert_close(batch.rewards, batch.reward_columns["format"] + want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_trains_without_nan_and_reward_rises(tmp_path, preset, easy_policy):
     """30 steps per preset from the same warm-started model on the easy setting."""

@@ -140,10 +140,10 @@ def _plot_loss(ax, rows) -> None:
 
 def _plot_preference(ax, rows) -> None:
     """DPO's implicit rewards (chosen, rejected, margin) and the share of pairs ranked right."""
-    series = [(k, series(rows, f"rewards/{k}")) for k in ("chosen", "rejected", "margins")]
-    if not any(ys for _, (_, ys) in series):
+    curves = [(k, series(rows, f"rewards/{k}")) for k in ("chosen", "rejected", "margins")]
+    if not any(ys for _, (_, ys) in curves):
         return _placeholder(ax, "implicit rewards")
-    for i, (k, (xs, ys)) in enumerate(series):
+    for i, (k, (xs, ys)) in enumerate(curves):
         if ys:
             ax.plot(xs, ys, color=f"C{i}", label=f"rewards/{k}")
     ax.set_title("DPO implicit rewards")

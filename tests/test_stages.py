@@ -231,7 +231,7 @@ def test_r1_pipeline_killed_in_its_third_stage_resumes_to_the_same_result(tmp_pa
     b.send_signal(signal.SIGKILL)
     b.wait()
     assert not (stage3 / "stage.json").exists()   # it died inside stage 3
-    assert (tmp_path / "b" / "2-grpo" / "stage.json").is_file()
+    assert (tmp_path / "b" / "2-train" / "stage.json").is_file()
     _, err = a.communicate(timeout=600)
     assert a.returncode == 0, err
     r = _pipeline(tmp_path / "b", "train.resume=auto")
@@ -239,17 +239,17 @@ def test_r1_pipeline_killed_in_its_third_stage_resumes_to_the_same_result(tmp_pa
     assert r.returncode == 0, err
     assert "stage 1/5 (sft): done, skipped" in out
     pa, pb = (json.loads((tmp_path / x / "pipeline.json").read_text())["stages"] for x in ("a", "b"))
-    assert [s["job"] for s in pa] == ["sft", "grpo", "sample", "sft", "grpo"]
+    assert [s["job"] for s in pa] == ["sft", "train", "sample", "sft", "train"]
     assert [s.get("eval") for s in pa] == [s.get("eval") for s in pb]
     assert (tmp_path / "a" / "3-sample" / "samples.jsonl").read_text() == (stage3 / "samples.jsonl").read_text()
-    assert _lines(tmp_path / "a" / "5-grpo") == _lines(tmp_path / "b" / "5-grpo")
+    assert _lines(tmp_path / "a" / "5-train") == _lines(tmp_path / "b" / "5-train")
     final = [Path(s["checkpoint"]) for s in (pa[-1], pb[-1])]
     assert _same_weights(*final)
     # stage 4 trained on stage 3's samples; the report shows every stage
     assert yaml.safe_load((tmp_path / "a" / "4-sft" / "config.yaml").read_text())["sft"]["train_path"] == \
         str(tmp_path / "a" / "3-sample" / "samples.jsonl")
     html = (tmp_path / "a" / "report.html").read_text()
-    assert all(f"{n}-{j}" in html for n, j in enumerate(["sft", "grpo", "sample", "sft", "grpo"], start=1))
+    assert all(f"{n}-{j}" in html for n, j in enumerate(["sft", "train", "sample", "sft", "train"], start=1))
 
 
 def test_sft_on_a_files_task_evaluates_accuracy_without_a_heldout_loss(tmp_path):
@@ -284,12 +284,13 @@ def test_rlhf_pipeline_trains_a_reward_model_and_rl_uses_it_from_the_policy_befo
     model, and is rewarded by the rm stage's final checkpoint alone."""
     from grpolab.jobs.pipeline import run as run_pipeline
     shipped = yaml.safe_load((ROOT / "configs" / "rlhf_pipeline.yaml").read_text())
-    assert [s["job"] for s in shipped["stages"]] == ["sft", "sample", "rm", "grpo"]
+    assert [s["job"] for s in shipped["stages"]] == ["sft", "sample", "rm", "train"]
     assert shipped["stages"][3]["reward"] == {"functions": ["rm:"]}
     conf = tmp_path / "rlhf.yaml"
     conf.write_text(yaml.safe_dump({"reward": {"functions": ["length"]}, "stages": [
         {"job": "sft", "sft": {"steps": 20}}, {"job": "sample", "sample": {"pairs": True, "k": 4, "num_prompts": 32}},
         {"job": "rm", "rm": {"steps": 6, "batch_size": 8, "eval_size": 4}},
+        # `grpo`: the older name of `train`, still read (and kept as the stage directory's name)
         {"job": "grpo", "reward": {"functions": ["rm:"]}, "train": {"max_steps": 2}}]}))
     out = tmp_path / "rlhf"
     records = run_pipeline(conf, [*TINY, "rollout.prompts_per_step=4", "rollout.num_generations=4",

@@ -2,9 +2,9 @@
 
     train: {output_dir: runs/r1}        # shared settings: every section, for every stage
     stages:
-      - job: sft                        # sft | grpo | sample | dpo | rm | distill
+      - job: sft                        # sft | train | sample | dpo | rm | distill
         sft: {steps: 300}               # the stage's own settings (win over the shared ones)
-      - job: grpo
+      - job: train                      # GRPO, as `grpolab train` (`grpo`: its older name, still read)
       - job: sample
       ...
 
@@ -36,7 +36,8 @@ from ..monitor.report import write_pipeline_report
 from ..utils.files import write_json
 from . import distill, dpo, rm, sample, sft, train
 
-JOBS = ("sft", "grpo", "sample", "dpo", "rm", "distill")
+JOBS = ("sft", "train", "sample", "dpo", "rm", "distill")   # each the `grpolab` command it runs
+OLD_NAMES = {"grpo": "train"}   # read in existing pipeline files; the stage directory keeps the name written
 
 
 def read_stages(path: str | Path) -> tuple[dict, list[dict]]:
@@ -47,7 +48,7 @@ def read_stages(path: str | Path) -> tuple[dict, list[dict]]:
     if not isinstance(stages, list) or not stages:
         raise ConfigError(f"{p}: `stages:` must be a non-empty list of {{job: {'|'.join(JOBS)}, ...settings}}")
     for i, st in enumerate(stages, start=1):
-        if not isinstance(st, dict) or st.get("job") not in JOBS:
+        if not isinstance(st, dict) or OLD_NAMES.get(st.get("job"), st.get("job")) not in JOBS:
             got = st.get("job") if isinstance(st, dict) else st
             raise ConfigError(f"stages[{i}].job: {got!r} is not one of {', '.join(JOBS)}")
         bad = [k for k, v in st.items() if k != "job" and not isinstance(v, dict)]
@@ -150,7 +151,7 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
         if not samples.get("pairs"):
             raise ConfigError(f"stages[{n}] (dpo): no dpo.pairs and no earlier sample stage with sample.pairs: true")
         cfg.dpo.pairs = samples["pairs"]
-    if job == "grpo":
+    if OLD_NAMES.get(job, job) == "train":
         ev = train.run(cfg, console)
     else:
         run = {"sft": sft.run, "dpo": dpo.run, "distill": distill.run}[job]

@@ -1,6 +1,12 @@
-"""The decoding core both rollout loops share (engine._decode, tool_decode.decode_with_tools): the
-prompts prefilled in chunks into a KV cache sized for the completions, then fanned out to G rows per
-prompt, keeping one copy of a group's prompt where the cache can."""
+"""The decoding core of every rollout, with or without tools.
+
+`prefill`: the prompts prefilled in chunks into a KV cache sized for the completions, then fanned out
+to G rows per prompt, keeping one copy of a group's prompt where the cache can. `decode`: all rows
+decode together, one position per forward pass, until each has sampled a stop token or filled its
+budget. Without tools, rows that have finished leave the batch (a quarter of it at a time: dropping
+rows copies the KV cache), so a rollout costs the tokens actually generated. With tools
+(`tool_decode.ToolSession`), a row that ends a call is fed the result's tokens through the same
+forward passes the other rows decode with (see tool_decode)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ import torch
 
 from ..errors import NonFiniteLogits
 from ..utils.padding import pad_sequences
+from .generation import Generation
+from .keys import token_uniforms
+from .sampling import sample_next
 
 # prompts are prefilled this many positions at a time: the prefill's attention scores and activations
 # then stay (rows x PREFILL_CHUNK x ...) however long the prompts are
@@ -47,3 +56,70 @@ def check_finite(logps: torch.Tensor, counted: torch.Tensor) -> None:
     check would synchronise every step)."""
     if bool((logps.isnan() & counted).any()):
         raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")
+
+
+def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens: int, temperature: float,
+           top_k: int, top_p: float, stop_ids: tuple[int, ...], pad_id: int, generator: torch.Generator | None,
+           keys: torch.Tensor | None, *, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK,
+           tools=None) -> Generation:
+    """Prefill, then sample up to `max_new_tokens` tokens per row (see `engine.generate` for the
+    arguments). `tools` (a `tool_decode.ToolSession`): its rows may have tool results fed to them;
+    those positions count toward `tools.length` (the positions model and tools fill together), not
+    toward `max_new_tokens`, and get the log-prob 0 and the tool mask."""
+    device = next(model.parameters()).device
+    keys = keys.to(device) if keys is not None else None
+    L = tools.length if tools is not None else max_new_tokens   # completion positions: sampled + fed
+    pre = prefill(model, prompts, num_generations, L, pad_id, prefill_chunk)
+    cache, logits = pre.cache, pre.logits
+    B = logits.size(0)
+    # filled with padding: rows that leave the batch early keep it after their last token
+    out = torch.full((B, L), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((B, L), dtype=torch.float32, device=device)
+    fed = torch.zeros((B, L), dtype=torch.bool, device=device)        # positions a tool wrote
+    end = torch.full((B,), L, dtype=torch.long, device=device)       # each row's length
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)         # sampled a real stop token
+    n_sampled = torch.zeros(B, dtype=torch.long, device=device)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    rows = torch.arange(B, device=device)   # the rows still in the batch (indices into the B outputs)
+    done = torch.zeros(B, dtype=torch.bool, device=device)   # over the rows in the batch
+    steps = 0
+    for t in range(L):
+        steps = t + 1
+        u = token_uniforms(keys, t) if keys is not None else None
+        if logits_hook is not None:
+            logits = logits_hook(logits, t, rows)
+        tok, lp = sample_next(logits, temperature, top_k, top_p, generator, u)
+        is_fed = tools.feed(t, tok, lp) if tools is not None else None   # overrides tok, lp in place
+        out[rows, t], logps[rows, t] = tok, lp
+        live = ~done if is_fed is None else ~done & ~is_fed    # rows that sampled this position
+        if is_fed is not None:
+            fed[:, t] = is_fed
+        n_sampled[rows] += live.long()
+        no_room = (n_sampled[rows] >= max_new_tokens) | (t == L - 1)   # nothing more can follow this token
+        is_call = tools.calls(t, out, tok, live & ~no_room) if tools is not None else None
+        stop_now = torch.isin(tok, stops) & live
+        finished = stop_now | (live & no_room)
+        if is_call is not None:
+            stop_now, finished = stop_now & ~is_call, finished & ~is_call
+        end[rows] = torch.where(finished, t + 1, end[rows])
+        stopped[rows] |= stop_now
+        done |= finished
+        n_done = int(done.sum())
+        if n_done == done.numel() or t == L - 1:
+            break
+        # Without tools, rows that have finished leave the batch once they are a quarter of it
+        if tools is None and n_done * 4 >= done.numel():
+            keep = (~done).nonzero().squeeze(1)
+            cache, tok, done, rows = cache.select(keep), tok[keep], done[keep], rows[keep]
+            keys = keys[keep] if keys is not None else None
+        logits = model(tok[:, None], cache=cache)[:, -1]
+    out, logps, fed = out[:, :steps], logps[:, :steps], fed[:, :steps]
+    valid = torch.arange(steps, device=device)[None, :] < end[:, None]
+    sampled = valid & ~fed
+    check_finite(logps, sampled)
+    G = num_generations
+    return Generation(
+        prompt_ids=pre.prompt_ids.repeat_interleave(G, dim=0), prompt_mask=pre.prompt_mask.repeat_interleave(G, dim=0),
+        completion_ids=out.masked_fill(~valid, pad_id), completion_mask=sampled,
+        sampler_logprobs=logps.masked_fill(~sampled, 0.0), truncated=~stopped,
+        tool_mask=valid & fed if tools is not None else None, tool_calls=tools.records if tools is not None else None)

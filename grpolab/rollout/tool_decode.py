@@ -1,13 +1,14 @@
 """Decoding with tool calls inside the rollout.
 
-Prompts are prefilled as in `engine._decode` (`core.prefill`: in chunks, a group's prompt kept once
-where the cache can). All rows decode together, one position per forward pass. When a row
-samples the end of a call, the calls of every row that ended one at that step are parsed and run
-in parallel (`tools.ToolRunner`), and each row's result tokens are queued. A row with queued tokens
-is fed them one per step through the same forward passes the other rows decode with: its sampled
-token is overridden, its log-prob recorded as 0 and the position marked as a tool token. So the
-result enters the row's KV cache at the positions it will have in the trainer's re-scoring
-(contiguous, no gaps), the other rows never wait for it, and sampling resumes after the last one.
+Rows decode in the same loop as without tools (`core.decode`: chunked prefill, a group's prompt kept
+once where the cache can, all rows together, one position per forward pass); `ToolSession` is the
+tools' part of it. When a row samples the end of a call, the calls of every row that ended one at
+that step are parsed and run in parallel (`tools.ToolRunner`), and each row's result tokens are
+queued. A row with queued tokens is fed them one per step through the same forward passes the other
+rows decode with: its sampled token is overridden, its log-prob recorded as 0 and the position
+marked as a tool token. So the result enters the row's KV cache at the positions it will have in the
+trainer's re-scoring (contiguous, no gaps), the other rows never wait for it, and sampling resumes
+after the last one.
 
 Masks: `completion_mask` marks the tokens the policy sampled (up to and including its stop token),
 `tool_mask` the tokens tools wrote; both are context for the trainer, only the first gets loss,
@@ -22,10 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .core import PREFILL_CHUNK, check_finite, prefill
-from .generation import Generation
-from .keys import token_uniforms
-from .sampling import sample_next
 from .tool_formats import tool_format
 from .tools import CallRecord, ToolRunner, load_tools
 
@@ -65,75 +62,48 @@ def tool_metrics(calls: list[list[dict]], names: list[str], gather=lambda t: t) 
     return out
 
 
-def decode_with_tools(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids,
-                      pad_id, generator, keys, tools: ToolUse, prefill_chunk: int = PREFILL_CHUNK) -> Generation:
-    device = next(model.parameters()).device
-    G = num_generations
-    keys = keys.to(device) if keys is not None else None
-    L = tools.max_completion_tokens or max_new_tokens   # completion positions: sampled + tool tokens
-    pre = prefill(model, prompts, G, L, pad_id, prefill_chunk)
-    p_ids, p_mask, cache, logits = pre.prompt_ids, pre.prompt_mask, pre.cache, pre.logits
-    B = logits.size(0)
+class ToolSession:
+    """One rollout's tool state, driven by `core.decode`: each row's queued result tokens, its calls so
+    far and their records, and where its current stretch of writing began."""
 
-    out = torch.full((B, L), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros((B, L), dtype=torch.float32, device=device)
-    forced = torch.zeros((B, L), dtype=torch.bool, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)      # sampled a real stop token
-    end = torch.full((B,), L, dtype=torch.long, device=device)     # each row's length
-    n_sampled = torch.zeros(B, dtype=torch.long, device=device)
-    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    triggers = torch.tensor(tools.format.triggers, dtype=torch.long, device=device)
-    queues: list[deque] = [deque() for _ in range(B)]
-    seg_start = [0] * B                  # where the model's current stretch of writing began
-    n_calls = [0] * B
-    records: list[list[dict]] = [[] for _ in range(B)]
-    steps = 0
-    for t in range(L):
-        steps = t + 1
-        u = token_uniforms(keys, t) if keys is not None else None
-        tok, lp = sample_next(logits, temperature, top_k, top_p, generator, u)
-        fed = [i for i in range(B) if queues[i]]
-        is_fed = torch.zeros(B, dtype=torch.bool, device=device)
-        if fed:   # rows reading a tool's result take its next token instead of a sample
-            rows = torch.tensor(fed, device=device)
-            tok[rows] = torch.tensor([queues[i].popleft() for i in fed], device=device)
+    def __init__(self, tools: ToolUse, rows: int, max_new_tokens: int, device) -> None:
+        self.tools = tools
+        self.length = tools.max_completion_tokens or max_new_tokens   # positions: sampled + tool tokens
+        self.triggers = torch.tensor(tools.format.triggers, dtype=torch.long, device=device)
+        self.queues: list[deque] = [deque() for _ in range(rows)]
+        self.seg_start = [0] * rows
+        self.n_calls = [0] * rows
+        self.records: list[list[dict]] = [[] for _ in range(rows)]
+
+    def feed(self, t: int, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """Rows reading a tool's result take its next token instead of their sample, with log-prob 0
+        (`tok` and `lp` are changed in place); the (B,) mask of those rows."""
+        is_fed = torch.zeros(tok.size(0), dtype=torch.bool, device=tok.device)
+        fed = [i for i, q in enumerate(self.queues) if q]
+        if fed:
+            rows = torch.tensor(fed, device=tok.device)
+            tok[rows] = torch.tensor([self.queues[i].popleft() for i in fed], device=tok.device)
             lp[rows] = 0.0
             is_fed[rows] = True
             for i in fed:
-                seg_start[i] = t + 1
-        out[:, t], logps[:, t], forced[:, t] = tok, lp, is_fed
-        live = ~done & ~is_fed                    # rows that sampled this position
-        n_sampled += live.long()
-        no_room = (n_sampled >= max_new_tokens) | (t == L - 1)   # nothing more can follow this token
-        is_call = torch.zeros(B, dtype=torch.bool, device=device)
-        ended = (torch.isin(tok, triggers) & live & ~no_room).nonzero().squeeze(-1).tolist()
+                self.seg_start[i] = t + 1
+        return is_fed
+
+    def calls(self, t: int, out: torch.Tensor, tok: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Among `candidates` (rows that sampled position t with room left), those that ended a call:
+        every such call is run now, together, and its result queued; the (B,) mask of those rows."""
+        is_call = torch.zeros(tok.size(0), dtype=torch.bool, device=tok.device)
+        ended = (torch.isin(tok, self.triggers) & candidates).nonzero().squeeze(-1).tolist()
         if ended:
             found = []
             for i in ended:
-                calls = tools.format.calls_in(out[i, seg_start[i]:t + 1].tolist())
+                calls = self.tools.format.calls_in(out[i, self.seg_start[i]:t + 1].tolist())
                 if calls is not None:
                     found.append((i, calls))
-            _run_calls(found, tools, n_calls, records, queues)
+            _run_calls(found, self.tools, self.n_calls, self.records, self.queues)
             for i, _ in found:
                 is_call[i] = True
-        stop_now = torch.isin(tok, stops) & live & ~is_call
-        finished = stop_now | (live & no_room & ~is_call)
-        end = torch.where(finished, t + 1, end)
-        stopped |= stop_now
-        done |= finished
-        if bool(done.all()) or t == L - 1:
-            break
-        logits = model(out[:, t:t + 1], cache=cache)[:, -1]
-    out, logps, forced = out[:, :steps], logps[:, :steps], forced[:, :steps]
-    valid = torch.arange(steps, device=device)[None, :] < end[:, None]
-    sampled = valid & ~forced
-    check_finite(logps, sampled)
-    return Generation(
-        prompt_ids=p_ids.repeat_interleave(G, dim=0), prompt_mask=p_mask.repeat_interleave(G, dim=0),
-        completion_ids=out.masked_fill(~valid, pad_id), completion_mask=sampled,
-        sampler_logprobs=logps.masked_fill(~sampled, 0.0), truncated=~stopped,
-        tool_mask=valid & forced, tool_calls=records)
+        return is_call
 
 
 def _run_calls(found: list[tuple[int, list]], tools: ToolUse, n_calls: list[int], records: list[list[dict]],

@@ -224,7 +224,10 @@ def test_wandb_offline_run_continues_under_the_same_id(tmp_path, monkeypatch):
     run_id = ids.pop()
     state = json.loads((resumed / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert state["wandb_run_id"] == run_id
-    history = _wandb_history(runs[1] / f"run-{run_id}.wandb")
+    # wandb's service process writes the file; on a loaded machine it may still be flushing after finish()
+    deadline = time.time() + 30
+    while not (history := _wandb_history(runs[1] / f"run-{run_id}.wandb")) and time.time() < deadline:
+        time.sleep(0.5)
     assert sorted(history) == [3, 4]   # the resumed run logged the steps after the checkpoint
     metrics = {m["step"]: m for m in _strip(straight / "metrics.jsonl")}
     for step, logged in history.items():

@@ -10,11 +10,10 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import html
-import io
 import math
 from pathlib import Path
 
-from .plots import draw_plots, eval_endpoints
+from .plots import draw_plots, eval_endpoints, plot_stages
 from .read import metric_keys, num, read_json, read_jsonl, series, step_values
 
 SAMPLES_PER_END = 4
@@ -254,26 +253,9 @@ def write_pipeline_report(root: str | Path) -> Path:
     img = ""
     acc = [m for m in metrics if m != "loss"]
     if acc:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        fig = Figure(figsize=(7.0, 3.6), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        for i, m in enumerate(acc):
-            pts = [(j, num((s.get("eval") or {}).get(m))) for j, s in enumerate(stages)]
-            pts = [(j, v) for j, v in pts if v is not None]
-            ax.plot([j for j, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}", label=m)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_title("held-out eval after each stage")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-        (root / "stages.png").write_bytes(buf.getvalue())
-        img = f'<img alt="stages" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode("ascii")}">'
+        png = plot_stages(stages, labels, acc)
+        (root / "stages.png").write_bytes(png)
+        img = f'<img alt="stages" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
     page = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>grpolab pipeline: {_e(root.resolve().name)}</title><style>{CSS}</style></head><body>"
             f"<h1>grpolab pipeline report: {_e(root.resolve().name)}</h1>"

@@ -249,3 +249,24 @@ def draw_plots(rows, summary, out_dir: Path, endpoints: tuple[dict, dict] = ({},
     return images
 
 
+def plot_stages(stages: list[dict], labels: list[str], metrics: list[str]) -> bytes:
+    """A multi-stage run's held-out `metrics` after each stage, as PNG bytes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7.0, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, m in enumerate(metrics):
+        pts = [(j, num((s.get("eval") or {}).get(m))) for j, s in enumerate(stages)]
+        pts = [(j, v) for j, v in pts if v is not None]
+        ax.plot([j for j, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}", label=m)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_title("held-out eval after each stage")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()

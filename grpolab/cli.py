@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
     pl = sub.add_parser("pipeline",
-                        help="run a config's stages (sft, grpo, sample, dpo, rm, distill) one after another")
+                        help="run a config's stages (sft, train, sample, dpo, rm, distill) one after another")
     pl.add_argument("config", help="YAML config with a `stages:` list")
     pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, applied to every stage")
 

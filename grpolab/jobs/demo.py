@@ -9,6 +9,7 @@ from pathlib import Path
 from .. import distributed
 from ..config import Config
 from ..monitor.console import Console
+from ..train.grpo import GRPOTrainer
 from .common import EVAL_KEYS, make_console, setup_torch, write_run_config, write_run_report
 from .train import build_trainer
 
@@ -25,7 +26,7 @@ def run(cfg: Config, console: Console | None = None) -> dict:
 
 def _demo(cfg: Config, console: Console, t0: float) -> dict:
     run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir, "grpo")
+    write_run_config(cfg, run_dir, GRPOTrainer.job)
     trainer = build_trainer(cfg, run_dir, console)
     console.info(f"evaluating on {len(trainer.test_rows)} held-out problems ...")
     before = trainer.evaluate()

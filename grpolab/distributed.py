@@ -174,5 +174,7 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """Leave the process group `init` joined (one process joins none: a group there is someone else's,
+    e.g. the in-process vLLM engine's, which it tears down itself)."""
+    if world_from_env().size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

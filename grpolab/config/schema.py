@@ -223,6 +223,24 @@ class RolloutConfig:
                                                      "still caps the sampled ones)")
     tool_timeout: float = option(10.0, "seconds one call may take; then the model is told it timed out")
     tool_output_max_chars: int = option(500, "a longer tool output is cut, with a '...[truncated N chars]' marker")
+    engine: str = option("builtin", "what samples the completions: builtin (grpolab's engine: keyed, bit-exact "
+                                    "runs and resumes) | vllm (a vLLM engine in the trainer's process, given the "
+                                    "policy's weights after every step; HF models; settings under vllm.*; "
+                                    "docs/vllm.md)")
+
+
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = option(0.2, "the share of the device's memory vLLM may take for weights and "
+                                                "KV cache; on a CPU the share of host memory (it checks that much "
+                                                "is free at start)")
+    max_model_len: int | None = option(None, "longest prompt + completion vLLM plans for, in tokens; null = "
+                                             "rollout.max_new_tokens + data.max_prompt_length (the model's context "
+                                             "when that is 0)")
+    enforce_eager: bool = option(True, "no CUDA graphs (true: quicker start; CPUs always run eager)")
+    prefix_caching: bool = option(True, "reuse a prompt's keys and values across its group's G requests")
+    eval: bool = option(False, "also sample the periodic and final eval with vLLM (greedy and pass@k); false = "
+                               "the built-in engine, whose eval numbers are exact and comparable across runs")
 
 
 @dataclass
@@ -439,6 +457,8 @@ class Config:
         help="the task and its rows: built-in tasks, GSM8K, files or hub datasets, their columns and lengths")
     rollout: RolloutConfig = option(factory=RolloutConfig,
         help="sampling an RL step's completions, and the tools the model may call while it writes them")
+    vllm: VLLMConfig = option(factory=VLLMConfig,
+        help="the vLLM rollout engine (rollout.engine=vllm): memory, context length, eval")
     reward: RewardConfig = option(factory=RewardConfig,
         help="the reward functions and their weights, the code_exec sandbox and the LLM judges")
     algorithm: AlgorithmConfig = option(factory=AlgorithmConfig,

@@ -207,6 +207,22 @@ def _tools(cfg: Config) -> None:
     need(0 <= cfg.sft.tool_fraction <= 1, "sft.tool_fraction: must be in [0, 1]")
 
 
+def _vllm(cfg: Config) -> None:
+    """rollout.engine one of builtin | vllm; with vllm: a Hugging Face model, no tools; vllm.* in range."""
+    r, v = cfg.rollout, cfg.vllm
+    _choice("rollout.engine", r.engine, ("builtin", "vllm"))
+    need(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization: must be in (0, 1]")
+    need(v.max_model_len is None or v.max_model_len > r.max_new_tokens,
+         f"vllm.max_model_len: must exceed rollout.max_new_tokens={r.max_new_tokens} (or null)")
+    if r.engine != "vllm":
+        return
+    need(cfg.model.name_or_path != "builtin",
+         "rollout.engine: vllm runs Hugging Face models; the built-in GPT has no vLLM architecture (use "
+         "rollout.engine=builtin, or `grpolab export` it and train the exported model)")
+    need(not r.tools, "rollout.engine: vllm does not run tool rollouts yet (a call's result must be fed back "
+                      "mid-completion); use rollout.engine=builtin with rollout.tools")
+
+
 def _reward(cfg: Config) -> None:
     """reward.*: at least one function, each a registered name or a spec that parses (judge:<name>
     needs reward.judges.<name>), every judge's keys, the code_exec sandbox's limits, the timeout, no
@@ -402,8 +418,8 @@ def _eval(cfg: Config) -> None:
 
 
 # the order the checks run in: the first problem found is the one reported
-CHECKS = (_finite, _model, _stage_optimizers, _sft, _dpo, _rm, _distill, _sample, _data, _rollout, _tools, _reward,
-          _algorithm_estimator, _critic, _algorithm_loss, _strategy, _optim, _train, _log, _eval)
+CHECKS = (_finite, _model, _stage_optimizers, _sft, _dpo, _rm, _distill, _sample, _data, _rollout, _tools, _vllm,
+          _reward, _algorithm_estimator, _critic, _algorithm_loss, _strategy, _optim, _train, _log, _eval)
 
 
 def validate(cfg: Config) -> None:

@@ -66,8 +66,11 @@ def _train(cfg: Config, console: Console) -> dict:
     if trainer.world.size > 1:
         console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "
                      f"{torch.get_num_threads()} threads each")
-    trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
-    final = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
+    try:
+        trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
+        final = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
+    finally:
+        trainer.close()
     if trainer.world.main:
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))

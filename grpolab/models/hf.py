@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, DataError
-from .lean_decode import LeanCache, LeanDecoder, unsupported_reason
+from .lean_decode import LeanCache, LeanDecoder, is_lora, linear_weights, unsupported_reason
 
 # peft (adding or loading adapters) still calls transformers' renamed is_gradient_checkpointing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -160,6 +160,23 @@ class HFPolicy(nn.Module):
     def causal_lm(self):
         """The transformers model itself (under a peft wrapper, the base model with its adapters)."""
         return self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
+
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the policy computes with, under the plain transformers model's names: LoRA adapters
+        merged in (W + scale * B @ A, as `linear_weights` adds them), the model itself left untouched.
+        What an inference engine (rollout/vllm_engine.py) is given."""
+        lm = self.causal_lm()
+        out = {}
+        for name, m in lm.named_modules():
+            if is_lora(m):
+                w, b = linear_weights(m)
+                out[f"{name}.weight"] = w.detach()
+                if b is not None:
+                    out[f"{name}.bias"] = b.detach()
+        for k, v in lm.state_dict().items():
+            if ".lora_" not in k and ".base_layer." not in k:
+                out.setdefault(k, v.detach())
+        return out
 
     def prefix_cache(self) -> HFCache | None:
         """An empty HF cache that autograd can flow through, for running a group's shared prompt once in

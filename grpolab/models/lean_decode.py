@@ -36,7 +36,7 @@ def _unwrap(hf_model):
     return get() if callable(get) else hf_model
 
 
-def _is_lora(m: nn.Module) -> bool:
+def is_lora(m: nn.Module) -> bool:
     """A peft LoRA linear (peft.tuners.lora.Linear), recognised by its interface so that this module
     does not import peft."""
     return all(hasattr(m, a) for a in ("base_layer", "lora_A", "lora_B", "get_delta_weight", "active_adapters"))
@@ -56,7 +56,7 @@ def linear_weights(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The (weight, bias) that `m` applies: an nn.Linear's own, or a peft LoRA linear's base weight
     plus the delta of each active adapter, as peft's forward adds them (none when the adapters are
     disabled; already in the base weight when merged)."""
-    if not _is_lora(m):
+    if not is_lora(m):
         return m.weight, m.bias
     base = m.base_layer
     w = base.weight
@@ -88,12 +88,12 @@ def unsupported_reason(hf_model, max_len: int) -> str | None:
     for layer in inner.layers:
         mods = [getattr(layer.self_attn, n, None) for n in _LINEARS] + [getattr(layer.mlp, n, None) for n in _MLP]
         for m in mods:
-            if _is_lora(m):
+            if is_lora(m):
                 if (why := _lora_reason(m)) is not None:
                     return why
             elif type(m) is not nn.Linear:   # e.g. quantized linears
                 return "attention/MLP projections are not plain nn.Linear"
-    if _is_lora(inner.embed_tokens):
+    if is_lora(inner.embed_tokens):
         return "a LoRA adapter on the embeddings"
     if type(hf_model.lm_head) is not nn.Linear:
         return "lm_head is not a plain nn.Linear"

@@ -101,9 +101,13 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
     return out, greedy_ok
 
 
+def _generate(model, engine, prompts: list[list[int]], tools=None, **kw):
+    return generate(model, prompts, tools=tools, **kw) if engine is None else engine.generate(prompts, **kw)
+
+
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
-             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None) -> dict:
+             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None, engine=None) -> dict:
     """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k.
 
     `reward` names the correctness check (gsm8k_accuracy or math_accuracy). maj@k takes
@@ -113,6 +117,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     problem gets the same samples whatever the batch size or the split of the problems.
     `tools` (rollout/tool_decode.ToolUse): the model may call tools; the greedy completions' calls per
     completion are reported as `tool_calls_per_completion`.
+    `engine` (rollout/vllm_engine.VLLMEngine, holding `model`'s weights): samples in place of the built-in engine.
     """
     row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
     prompts = [tokenizer.render_prompt(r["prompt"]) for r in rows]
@@ -121,9 +126,9 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     greedy: list[str] = []
     calls: list[list[dict]] = []
     for chunk in _chunks(prompts, batch_size):
-        greedy += _decode(tokenizer, generate(model, chunk, num_generations=1, max_new_tokens=max_new_tokens,
-                                              temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id,
-                                              tools=tools), calls)
+        greedy += _decode(tokenizer, _generate(model, engine, chunk, num_generations=1, max_new_tokens=max_new_tokens,
+                                               temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id,
+                                               tools=tools), calls)
     samples: list[str] = []
     if k > 1:
         per = max(1, batch_size // k)
@@ -132,9 +137,9 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             ids = torch.tensor(row_ids[start:start + per], dtype=torch.long)
             # salted: eval samples never share keys with the training rollouts of the same seed
             keys = completion_keys(seed ^ EVAL_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
-            samples += _decode(tokenizer, generate(model, chunk, num_generations=k, max_new_tokens=max_new_tokens,
-                                                   temperature=temperature, stop_ids=stop,
-                                                   pad_id=tokenizer.pad_id, keys=keys, tools=tools))
+            samples += _decode(tokenizer, _generate(model, engine, chunk, num_generations=k,
+                                                    max_new_tokens=max_new_tokens, temperature=temperature,
+                                                    stop_ids=stop, pad_id=tokenizer.pad_id, keys=keys, tools=tools))
     out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows)
     if tools is not None:
         out["tool_calls_per_completion"] = sum(map(len, calls)) / max(1, len(calls))

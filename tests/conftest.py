@@ -1,4 +1,5 @@
 import contextlib
+import importlib.util
 import signal
 import socket
 import subprocess
@@ -16,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 
 torch.set_num_threads(2)
+
+# tests/with_vllm needs vLLM, which lives in its own venv (`make test-vllm`, part of `make test`)
+HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None   # (not a namespace folder)
+collect_ignore = [] if HAS_VLLM else ["with_vllm"]
 
 
 @pytest.fixture

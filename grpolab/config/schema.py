@@ -234,6 +234,8 @@ class VLLMConfig:
     gpu_memory_utilization: float = option(0.2, "the share of the device's memory vLLM may take for weights and "
                                                 "KV cache; on a CPU the share of host memory (it checks that much "
                                                 "is free at start)")
+    kv_cache_gb: float | None = option(None, "GiB for vLLM's KV cache, exactly (its memory check then skipped); "
+                                             "null = what vllm.gpu_memory_utilization leaves after the weights")
     max_model_len: int | None = option(None, "longest prompt + completion vLLM plans for, in tokens; null = "
                                              "rollout.max_new_tokens + data.max_prompt_length (the model's context "
                                              "when that is 0)")

@@ -212,6 +212,7 @@ def _vllm(cfg: Config) -> None:
     r, v = cfg.rollout, cfg.vllm
     _choice("rollout.engine", r.engine, ("builtin", "vllm"))
     need(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization: must be in (0, 1]")
+    need(v.kv_cache_gb is None or v.kv_cache_gb > 0, "vllm.kv_cache_gb: must be > 0 (or null)")
     need(v.max_model_len is None or v.max_model_len > r.max_new_tokens,
          f"vllm.max_model_len: must exceed rollout.max_new_tokens={r.max_new_tokens} (or null)")
     if r.engine != "vllm":

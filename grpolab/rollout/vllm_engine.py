@@ -17,6 +17,7 @@ and, with its default thread binding, pins the process to part of the cores
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import tempfile
@@ -54,10 +55,11 @@ class VLLMEngine:
     random until `load_weights`)."""
 
     def __init__(self, config, *, dtype: str = "float32", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.2, enforce_eager: bool = True, prefix_caching: bool = True,
-                 seed: int = 0, trust_remote_code: bool = False) -> None:
+                 gpu_memory_utilization: float = 0.2, kv_cache_gb: float | None = None, enforce_eager: bool = True,
+                 prefix_caching: bool = True, seed: int = 0, trust_remote_code: bool = False) -> None:
         vllm = import_vllm()
         self.SamplingParams = vllm.SamplingParams
+        self.RequestError = importlib.import_module("vllm.exceptions").VLLMValidationError
         # vLLM reads the architecture from a directory: the policy's config.json alone (however the policy was
         # loaded: hub id, GGUF file, checkpoint); load_format=dummy, as the weights come from load_weights
         self.dir = tempfile.TemporaryDirectory(prefix="grpolab-vllm-")
@@ -69,9 +71,13 @@ class VLLMEngine:
                 warnings.simplefilter("ignore", FutureWarning)   # deprecations inside vLLM's start-up
                 self.llm = vllm.LLM(model=self.dir.name, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                     gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                                    kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
                                     enable_prefix_caching=prefix_caching, load_format="dummy",
                                     logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
                                     trust_remote_code=trust_remote_code)
+                # one token now: what vLLM checks only when it runs (e.g. CPU attention's head sizes) fails here
+                self.llm.generate([{"prompt_token_ids": [0]}], self.SamplingParams(max_tokens=1, detokenize=False),
+                                  use_tqdm=False)
         except Exception as e:   # vLLM's own checks (memory, context length, architecture): their first line
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"rollout.engine=vllm: vLLM could not start on {model}: {msg}") from e
@@ -108,7 +114,10 @@ class VLLMEngine:
             top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens, seed=s, logprobs=0,
             ignore_eos=True, stop_token_ids=list(stop_ids), detokenize=False) for s in seeds]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        try:
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        except self.RequestError as e:   # a request beyond what the engine was set up for (e.g. its context)
+            raise ConfigError(f"rollout.engine=vllm: {str(e).splitlines()[0]} (vllm.max_model_len)") from None
         ids, lps, truncated = [], [], []
         for o in outs:
             c = o.outputs[0]

@@ -11,7 +11,12 @@ machine than on an idle one, even with the same seed:
   pick code paths by memory alignment and schedule work between threads dynamically. `MKL_CBWR=AUTO`
   keeps the fastest code path for this CPU and makes it reproducible from run to run.
 
-`pin_cpu_numerics` fixes both. What is guaranteed: the same config and seed on the same machine
+`pin_cpu_numerics` fixes both. On CUDA, `pin_cuda_numerics` asks torch for its deterministic kernels:
+without them the demo's two runs on an H200 differed from the first step (an embedding's backward adds
+its rows' gradients with atomics, in whatever order the threads arrive); with them they were
+bit-identical (bench/gpu_check.sh, docs/determinism.md).
+
+What is guaranteed: the same config and seed on the same machine
 type, with the same torch/MKL build and thread count, give the same bits, idle or busy. What is
 not: a different CPU (another instruction set takes other kernels), another torch build, or another
 `train.threads` (a product split differently sums in another order).
@@ -45,6 +50,16 @@ def set_reproducible_env() -> None:
     (before torch is imported: the OpenMP runtime reads them when it is loaded)."""
     for k, v in {**MKL_ENV, **OPENMP_ENV}.items():
         os.environ.setdefault(k, v)
+
+
+def pin_cuda_numerics() -> None:
+    """CUDA's deterministic kernels: `torch.use_deterministic_algorithms` (an op with none warns instead
+    of failing) and cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts, so set
+    before the first product; a value the user exported wins)."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def pin_cpu_numerics(threads: int = 0) -> int:

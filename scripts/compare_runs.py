@@ -1,4 +1,4 @@
-"""Compare two run directories' metrics.jsonl and summary.json: every key equal (same keys, same order,
+"""Compare two run directories' metrics.jsonl, summary.json and eval.json files: every key equal (same keys, same order,
 same values) except timing ones. The check behind a refactor that must keep the bits.
 
     python scripts/compare_runs.py BASE_DIR NEW_DIR   # e.g. two `grpolab demo --out DIR` runs
@@ -34,8 +34,12 @@ def walk(a, b, path, out):
 
 def main(base: str, new: str) -> int:
     base, new, out = Path(base), Path(new), []
-    for name in sorted({p.relative_to(base).as_posix() for p in base.rglob("metrics.jsonl")} | {"summary.json"}
-                       | {p.relative_to(base).as_posix() for p in base.rglob("summary.json")}):
+    names = sorted({p.relative_to(base).as_posix() for f in ("metrics.jsonl", "summary.json", "eval.json")
+                    for p in base.rglob(f)})
+    if not names:
+        print(f"nothing to compare: no metrics.jsonl, summary.json or eval.json under {base}")
+        return 2
+    for name in names:
         a, b = base / name, new / name
         if not b.exists():
             out.append(f"{name}: missing in {new}")

@@ -405,6 +405,9 @@ class TrainConfig:
                              "and torch build: same bits, idle or busy (see Determinism). At most max(256, 4 x the "
                              "machine's cores) (grpolab.config.validate.max_threads); idle threads sleep "
                              "(OMP_WAIT_POLICY=PASSIVE), so 0 is safe on a busy machine")
+    cuda_deterministic: bool = option(True, "on CUDA: torch's deterministic kernels (same bits run to run on the "
+                                            "same GPU type and software); false = the non-deterministic ones, which "
+                                            "may be faster (see Determinism)")
     resume: str | None = option(None, "auto (latest checkpoint in output_dir, if any) | a checkpoints/step_N dir: "
                                       "restores model, reference, optimizer, scheduler, RNG and data position")
     keep_checkpoints: int = option(3, "keep the newest N checkpoints (0 = keep all)")

@@ -12,9 +12,10 @@ import yaml
 from .. import distributed
 from ..config import Config
 from ..config.load import check_output_dir
-from ..determinism import pin_cpu_numerics
+from ..determinism import pin_cpu_numerics, pin_cuda_numerics
 from ..errors import ConfigError
 from ..models.checkpoint import checkpoint_job, find_resume_checkpoint
+from ..models.hf import resolve_device
 from ..monitor.console import Console
 from ..monitor.report import write_report
 from ..train.resume_rules import check_resume_config
@@ -31,6 +32,8 @@ def setup_torch(cfg: Config) -> None:
     if world.size > 1 and not threads:
         threads = max(1, (os.cpu_count() or 1) // world.local_size)
     pin_cpu_numerics(threads)
+    if cfg.train.cuda_deterministic and resolve_device(cfg.model.device).type == "cuda":
+        pin_cuda_numerics()
     torch.manual_seed(cfg.train.seed)
 
 

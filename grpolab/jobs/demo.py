@@ -28,12 +28,15 @@ def _demo(cfg: Config, console: Console, t0: float) -> dict:
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir, GRPOTrainer.job)
     trainer = build_trainer(cfg, run_dir, console)
-    console.info(f"evaluating on {len(trainer.test_rows)} held-out problems ...")
-    before = trainer.evaluate()
-    console.info(f"GRPO: {cfg.train.max_steps} steps x {cfg.rollout.prompts_per_step} prompts x "
-                 f"{cfg.rollout.num_generations} completions")
-    history = trainer.train(final_eval=True)
-    after = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
+    try:
+        console.info(f"evaluating on {len(trainer.test_rows)} held-out problems ...")
+        before = trainer.evaluate()
+        console.info(f"GRPO: {cfg.train.max_steps} steps x {cfg.rollout.prompts_per_step} prompts x "
+                     f"{cfg.rollout.num_generations} completions")
+        history = trainer.train(final_eval=True)
+        after = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
+    finally:
+        trainer.close()
     wall = time.perf_counter() - t0
     gen_tps = [m["perf/gen_tokens_per_sec"] for m in history]
     summary = {"before": {k: before[k] for k in EVAL_KEYS if k in before},

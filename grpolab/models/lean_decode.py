@@ -100,6 +100,36 @@ def unsupported_reason(hf_model, max_len: int) -> str | None:
     return None
 
 
+def _prepacks(w: torch.Tensor) -> bool:
+    """Whether `w` goes through oneDNN prepacked: float32 weights on a CPU whose torch has oneDNN."""
+    return w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class _Linear:
+    """x @ W.T (+ b), with W (N, K) reordered once, when the decoder is built, into oneDNN's blocked
+    layout on a CPU in float32. At decode shapes (32 rows x SmolLM2's widths, one thread) that ran
+    2.1-2.8x faster than torch.mm with W as it is, and 2.4x at a 600-row prefill; each row's result
+    is the same whatever the other rows (checked at 1 to 600 rows, 1 and 2 threads), so completions
+    still do not depend on the batch. Other dtypes and devices: F.linear."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        self.b = b
+        self.packed = _prepacks(w)
+        self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous()) if self.packed else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        return F.linear(x, self.w, self.b)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + y @ W.T (+ b), the residual add inside the matmul (one op, not two)."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(y, x, self.w, self.b, "add")
+        out = torch.addmm(x, y, self.w.t())
+        return out if self.b is None else out.add_(self.b)
+
+
 class _NormedLinear:
     """rms_norm(x) @ (W * w).T + b: an HF RMSNorm (weight w) followed by a linear map (W, b),
     with w folded into W's columns (norm(x) * w @ W.T == norm(x) @ (W * w).T).
@@ -111,16 +141,17 @@ class _NormedLinear:
     """
 
     def __init__(self, norm: nn.Module, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        self.w, self.b = w * norm.weight, b
+        self.linear = _Linear(w * norm.weight, None)
+        self.b = b
         self.eps = _eps(norm)
         self.eps_t = torch.full((1,), self.eps, dtype=torch.float32, device=w.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return F.linear(_rms(x, self.eps), self.w, self.b)
+        if x.dtype != torch.float32:   # (then never prepacked)
+            return F.linear(_rms(x, self.eps), self.linear.w, self.b)
         n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         r = torch.addcmul(self.eps_t, n, n, value=1.0 / x.size(-1)).rsqrt_()
-        out = F.linear(x, self.w)
+        out = self.linear(x)
         return out.mul_(r) if self.b is None else torch.addcmul(self.b, out, r)
 
 
@@ -135,10 +166,10 @@ class _Layer:
         qkv_b = None if qb is None and kb is None and vb is None else torch.cat(
             [b if b is not None else w.new_zeros(w.size(0)) for b, w in ((qb, qw), (kb, kw), (vb, vw))])
         self.qkv = _NormedLinear(layer.input_layernorm, torch.cat([qw, kw, vw]), qkv_b)
-        self.o_wt, self.o_b = ow.t(), ob
+        self.o = _Linear(ow, ob)
         self.gate_up = _NormedLinear(layer.post_attention_layernorm, torch.cat([gw, uw]),
                                      None if gb is None else torch.cat([gb, ub]))
-        self.down_wt, self.down_b = dw.t(), db
+        self.down = _Linear(dw, db)
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         self.scaling = a.scaling
 
@@ -157,12 +188,6 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """An HF RMSNorm module applied as HF does."""
     return norm.weight * _rms(x, _eps(norm))
-
-
-def _linear_residual(x: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + y @ wt (+ b) with the residual add inside the matmul (one op, not two)."""
-    out = torch.addmm(x, y, wt)
-    return out if b is None else out.add_(b)
 
 
 # share_prompt(): keep one copy of a group's prompt keys and values when that saves at least this
@@ -365,9 +390,9 @@ class LeanDecoder:
             else:
                 y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
                                                    enable_gqa=KV != H)
-            x = _linear_residual(x, y.transpose(1, 2).reshape(B * T, H * D), L.o_wt, L.o_b)
+            x = L.o.residual(x, y.transpose(1, 2).reshape(B * T, H * D))
             gate, up = L.gate_up(x).chunk(2, dim=-1)
-            x = _linear_residual(x, F.silu(gate) * up, L.down_wt, L.down_b)
+            x = L.down.residual(x, F.silu(gate) * up)
         cache.pos = end
         x = x.view(B, T, -1)
         if logits_to_keep:

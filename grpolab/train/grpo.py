@@ -137,12 +137,14 @@ class GRPOTrainer(Trainer):
                           prefix_caching=v.prefix_caching, seed=cfg.train.seed,
                           trust_remote_code=cfg.model.trust_remote_code)
 
-    def _sync_vllm(self) -> None:
-        """The vLLM engine gets the policy's current weights (LoRA merged in), once per optimizer step."""
-        if self.vllm.weights_version != self.step:
-            t0 = time.perf_counter()
-            self.vllm.load_weights(self.model.merged_weights().items(), self.step)
-            self.sync_time += time.perf_counter() - t0
+    def _sync_vllm(self) -> float:
+        """The vLLM engine gets the policy's current weights (LoRA merged in), once per optimizer step.
+        Returns the seconds it took."""
+        if self.vllm.weights_version == self.step:
+            return 0.0
+        t0 = time.perf_counter()
+        self.vllm.load_weights(self.model.merged_weights().items(), self.step)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Shut the vLLM engine down (its threads, its process group, its memory)."""
@@ -150,13 +152,13 @@ class GRPOTrainer(Trainer):
             self.vllm.close()
             self.vllm = None
 
-    def _sample(self, prompt_ids: list[list[int]], engine: VLLMEngine | None, **kw):
-        """One batch of completions from the built-in engine, or from vLLM (its weights synced first)."""
-        if engine is None:
+    def _sample(self, prompt_ids: list[list[int]], **kw):
+        """One batch of rollout completions from the built-in engine, or from vLLM (its weights synced first)."""
+        if self.vllm is None:
             return generate(self.model, prompt_ids, tools=self.tools, **kw)
-        self._sync_vllm()
-        kw.pop("logits_hook", None)
-        return engine.generate(prompt_ids, **kw)
+        self.sync_time += self._sync_vllm()
+        kw.pop("logits_hook", None)   # (the progress line's token count: the built-in engine's hook)
+        return self.vllm.generate(prompt_ids, **kw)
 
     def _check_world(self, cfg: Config) -> None:
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
@@ -194,12 +196,12 @@ class GRPOTrainer(Trainer):
         hook = self._count_tokens if self.progress.on and self.tools is None else None
         try:
             with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gen = self._sample(prompt_ids, self.vllm, num_generations=G,
+                gen = self._sample(prompt_ids, num_generations=G,
                                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                    top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
                                    pad_id=self.tok.pad_id, keys=keys, logits_hook=hook)
                 if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
-                    gg = self._sample(prompt_ids, self.vllm, num_generations=1, max_new_tokens=r.max_new_tokens,
+                    gg = self._sample(prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
                                       temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id)
                     greedy = gg.id_lists()
         except NonFiniteLogits:
@@ -519,7 +521,7 @@ class GRPOTrainer(Trainer):
         ids = list(range(w.rank, len(self.test_rows), w.size))   # every N-th problem (all of them in one process)
         engine = self.vllm if self.cfg.vllm.eval else None
         if engine is not None:
-            self._sync_vllm()
+            self._sync_vllm()   # (not counted in a step's time/weight_sync)
         with sharding.full_weights(self.model):
             res = evaluate(self.model, self.tok, [self.test_rows[i] for i in ids], k=e.k, temperature=e.temperature,
                            max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=e.batch_size,

@@ -115,6 +115,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until `url`/health answers; AssertionError with the server's output if it exits first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"server not ready after {timeout:.0f} s")
+
+
 @contextlib.contextmanager
 def running_server(model, *args, log=None):
     """`grpolab serve MODEL` in a subprocess on a free port; stopped by its pid (SIGINT) at the end."""
@@ -124,16 +138,7 @@ def running_server(model, *args, log=None):
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server not ready")
+        wait_healthy(url, proc, 120)
         yield url, proc
     finally:
         if proc.poll() is None:

@@ -89,8 +89,10 @@ def test_sampled_logprobs_are_the_tempered_distributions_and_seeds_ignore_the_ba
     assert len(set(map(tuple, gen.id_lists()[:G]))) > 1   # the group's seeds differ
     # a row that sampled a stop token keeps it and is not truncated; one that did not is
     for ids, trunc in zip(gen.id_lists(), gen.truncated.tolist()):
-        assert trunc == (ids[-1] not in tok.stop_ids)
-        assert trunc == (len(ids) == 20) or ids[-1] in tok.stop_ids
+        if trunc:
+            assert len(ids) == 20 and ids[-1] not in tok.stop_ids
+        else:
+            assert ids[-1] in tok.stop_ids and not any(t in tok.stop_ids for t in ids[:-1])
 
 
 def test_lora_adapters_reach_vllm_merged(tiny, engine):

@@ -11,13 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
 import openai
 import pytest
 import torch
-from conftest import ROOT, _free_port
+from conftest import ROOT, _free_port, wait_healthy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.config.load import load_config
@@ -44,16 +42,7 @@ def vllm_server(model, name: str):
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1800):
-            if proc.poll() is not None:
-                raise AssertionError(f"vLLM server exited: {proc.stdout.read()[-3000:]}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("vLLM server not ready after 180 s")
+        wait_healthy(url, proc, 180)
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -257,11 +257,14 @@ GEMMS = (("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 15
 
 
 def gemm_section(args) -> dict:
-    """The model's linear layers at decode shapes (rows x in -> out, fp32, 1 thread): torch as grpolab's
-    lean decoder calls it (x @ W.t(), W (out, in)) and F.linear, against vLLM's prepacked oneDNN handle
+    """The model's linear layers at decode shapes (rows x in -> out, fp32, 1 thread): torch's plain matmul
+    (x @ W.t(), W (out, in); grpolab's lean decoder before it prepacked) and F.linear, grpolab's lean decoder
+    now (`lean_decode._Linear`: W reordered once into oneDNN's layout), and vLLM's prepacked oneDNN handle
     (what its CPU linear layers run); ms per call, medians of interleaved rounds."""
     import torch.nn.functional as F
     from vllm import _custom_ops as ops
+
+    from grpolab.models.lean_decode import _Linear
     g = torch.Generator().manual_seed(0)
     res = {"loadavg_1m": [load1()]}
     for rows in (32, 8):
@@ -269,8 +272,9 @@ def gemm_section(args) -> dict:
             w = torch.randn(n, k, generator=g) * 0.02
             x = torch.randn(rows, k, generator=g)
             handle = ops.create_onednn_mm(w.t(), 32)
+            ours = _Linear(w, None)
             fns = {"torch_mm": lambda: torch.mm(x, w.t()), "F_linear": lambda: F.linear(x, w),
-                   "vllm_onednn_mm": lambda: ops.onednn_mm(handle, x, None)}
+                   "grpolab_linear": lambda: ours(x), "vllm_onednn_mm": lambda: ops.onednn_mm(handle, x, None)}
             ref = F.linear(x, w)
             assert all(torch.allclose(f(), ref, atol=1e-4) for f in fns.values())
             reps = 20 if n > 10_000 else 200
@@ -284,6 +288,7 @@ def gemm_section(args) -> dict:
                     times[key].append((time.perf_counter() - t) / reps * 1e3)
             r = {key: round(med(v), 4) for key, v in times.items()}
             r["torch_over_onednn"] = round(r["torch_mm"] / r["vllm_onednn_mm"], 2)
+            r["grpolab_over_onednn"] = round(r["grpolab_linear"] / r["vllm_onednn_mm"], 2)
             res[f"{rows}x{k}->{n} ({name})"] = r
     res["loadavg_1m"].append(load1())
     res["unit"] = "ms per call"

@@ -63,7 +63,7 @@ def pin_cuda_numerics() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     # its warning for attention's backward (memory-efficient / cuDNN kernels): on an H200 the runs were
     # bit-identical all the same (bench/gpu_check.sh); the warning would print in every run
-    warnings.filterwarnings("ignore", message=".*Attention defaults to a non-deterministic algorithm")
+    # (`message` matches case-insensitively: "Memory Efficient attention ..." and "cuDNN Attention ...")
     warnings.filterwarnings("ignore", message=".*attention defaults to a non-deterministic algorithm")
 
 

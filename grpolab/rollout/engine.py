@@ -46,3 +46,11 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
                      generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
+
+
+def sample(model, prompts: list[list[int]], *, engine=None, tools=None, logits_hook=None, **kw) -> Generation:
+    """`generate` on `model`, or, given an `engine` (rollout/vllm_engine.VLLMEngine holding `model`'s
+    weights), the same call on that engine; `tools` and `logits_hook` are the built-in engine's alone."""
+    if engine is None:
+        return generate(model, prompts, tools=tools, logits_hook=logits_hook, **kw)
+    return engine.generate(prompts, **kw)

@@ -11,7 +11,7 @@ import torch
 from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
 from ..data.math_answers import parse_completion
 from ..rewards import get_reward
-from ..rollout.engine import generate
+from ..rollout.engine import sample
 from ..rollout.keys import completion_keys
 
 EVAL_SALT = 0x65766C   # 'evl'
@@ -101,10 +101,6 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
     return out, greedy_ok
 
 
-def _generate(model, engine, prompts: list[list[int]], tools=None, **kw):
-    return generate(model, prompts, tools=tools, **kw) if engine is None else engine.generate(prompts, **kw)
-
-
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
              reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None, engine=None) -> dict:
@@ -126,9 +122,9 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     greedy: list[str] = []
     calls: list[list[dict]] = []
     for chunk in _chunks(prompts, batch_size):
-        greedy += _decode(tokenizer, _generate(model, engine, chunk, num_generations=1, max_new_tokens=max_new_tokens,
-                                               temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id,
-                                               tools=tools), calls)
+        greedy += _decode(tokenizer, sample(model, chunk, engine=engine, num_generations=1,
+                                            max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stop,
+                                            pad_id=tokenizer.pad_id, tools=tools), calls)
     samples: list[str] = []
     if k > 1:
         per = max(1, batch_size // k)
@@ -137,9 +133,9 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             ids = torch.tensor(row_ids[start:start + per], dtype=torch.long)
             # salted: eval samples never share keys with the training rollouts of the same seed
             keys = completion_keys(seed ^ EVAL_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
-            samples += _decode(tokenizer, _generate(model, engine, chunk, num_generations=k,
-                                                    max_new_tokens=max_new_tokens, temperature=temperature,
-                                                    stop_ids=stop, pad_id=tokenizer.pad_id, keys=keys, tools=tools))
+            samples += _decode(tokenizer, sample(model, chunk, engine=engine, num_generations=k,
+                                                 max_new_tokens=max_new_tokens, temperature=temperature,
+                                                 stop_ids=stop, pad_id=tokenizer.pad_id, keys=keys, tools=tools))
     out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows)
     if tools is not None:
         out["tool_calls_per_completion"] = sum(map(len, calls)) / max(1, len(calls))

@@ -45,7 +45,7 @@ from ..rewards import reward_name, reward_names, wants_policy
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rewards.intrinsic import PolicyView
 from ..rollout.batch import RolloutBatch, cat_batches
-from ..rollout.engine import generate
+from ..rollout.engine import sample
 from ..rollout.keys import completion_keys
 from ..rollout.tool_decode import build_tool_use, tool_metrics
 from ..rollout.vllm_engine import VLLMEngine
@@ -154,11 +154,9 @@ class GRPOTrainer(Trainer):
 
     def _sample(self, prompt_ids: list[list[int]], **kw):
         """One batch of rollout completions from the built-in engine, or from vLLM (its weights synced first)."""
-        if self.vllm is None:
-            return generate(self.model, prompt_ids, tools=self.tools, **kw)
-        self.sync_time += self._sync_vllm()
-        kw.pop("logits_hook", None)   # (the progress line's token count: the built-in engine's hook)
-        return self.vllm.generate(prompt_ids, **kw)
+        if self.vllm is not None:
+            self.sync_time += self._sync_vllm()
+        return sample(self.model, prompt_ids, engine=self.vllm, tools=self.tools, **kw)
 
     def _check_world(self, cfg: Config) -> None:
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)

@@ -47,17 +47,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120, log: Path | None = None) -> float:
+    """Seconds until `url`/health answers; RuntimeError (with the tail of `log`, the server's output file)
+    if the server exits first or takes longer than `timeout`."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError("the server exited before it was ready")
+            tail = f":\n{log.read_text()[-3000:]}" if log is not None else ""
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready{tail}")
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
-            return
+            return time.time() - t0
         except OSError:
             time.sleep(0.2)
-    raise RuntimeError("the server did not become ready")
+    raise RuntimeError(f"the server at {url} did not become ready in {timeout:.0f} s")
 
 
 async def one(client, model: str, question: str, max_tokens: int) -> tuple[str, int, float]:

@@ -61,12 +61,10 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -86,6 +84,7 @@ def _bench_module(name: str):
 
 sm = _bench_module("_smollm2")
 rb = _bench_module("rollout")   # m_ours, m_hf, rl_lengths
+sb = _bench_module("serve")     # free_port, wait_ready
 
 
 def load1() -> float:
@@ -345,12 +344,6 @@ def grpo_section(args, model: Path, work: Path) -> dict:
 
 # ---- serving ------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(cmd: list[str], logfile: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)   # the server as deployed: its engine core in a process
@@ -369,20 +362,6 @@ def stop(proc: subprocess.Popen) -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
-
-
-def wait_ready(url: str, proc: subprocess.Popen, logfile: Path, timeout: float = 300) -> float:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}) before it was ready:\n"
-                               f"{logfile.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return time.time() - t0
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"server at {url} not ready after {timeout} s")
 
 
 async def one(client, messages: list[dict], max_tokens: int) -> dict:
@@ -431,7 +410,7 @@ def serving_section(args, model: Path, work: Path) -> dict:
     if isinstance(questions[0], str):
         questions = [[{"role": "user", "content": q}] for q in questions]
     py = sys.executable
-    ports = {"ours": free_port(), "vllm": free_port()}
+    ports = {"ours": sb.free_port(), "vllm": sb.free_port()}
     cmds = {"ours": [py, "-m", "grpolab.cli", "serve", str(model), "--port", str(ports["ours"]), "--name", "smollm2",
                      "--max-batch", str(max(64, max(args.concurrency))), "--log-level", "warning"],
             "vllm": [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
@@ -445,7 +424,7 @@ def serving_section(args, model: Path, work: Path) -> dict:
         for k in cmds:
             procs[k] = start(cmds[k], logs[k])
         urls = {k: f"http://127.0.0.1:{ports[k]}" for k in cmds}
-        res["ready_s"] = {k: round(wait_ready(urls[k], procs[k], logs[k]), 1) for k in cmds}
+        res["ready_s"] = {k: round(sb.wait_ready(urls[k], procs[k], 300, logs[k]), 1) for k in cmds}
         log(f"serving: both servers up {res['ready_s']}")
         for k in cmds:   # warm-up: one request, then one wave at the largest concurrency
             asyncio.run(load_round(urls[k], questions[:1], 1, 8))

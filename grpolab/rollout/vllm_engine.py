@@ -108,10 +108,9 @@ class VLLMEngine:
         if keys is not None and keys.numel() != B:
             raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {G} generations")
         seeds = [None] * B if keys is None else [int(k) for k in keys.tolist()]
-        greedy = temperature <= 0
+        # temperature 0: vLLM samples greedily and drops top-k/top-p itself, as the built-in engine does
         params = [self.SamplingParams(
-            n=1, temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
-            top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens, seed=s, logprobs=0,
+            n=1, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_new_tokens, seed=s, logprobs=0,
             ignore_eos=True, stop_token_ids=list(stop_ids), detokenize=False) for s in seeds]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
         try:

@@ -133,8 +133,7 @@ class GRPOTrainer(Trainer):
         return VLLMEngine(self.model.causal_lm().config, dtype=cfg.model.dtype,
                           max_model_len=v.max_model_len or (r.max_new_tokens + limit if limit else None),
                           gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb,
-                          enforce_eager=v.enforce_eager,
-                          prefix_caching=v.prefix_caching, seed=cfg.train.seed,
+                          enforce_eager=v.enforce_eager, prefix_caching=v.prefix_caching, seed=cfg.train.seed,
                           trust_remote_code=cfg.model.trust_remote_code)
 
     def _sync_vllm(self) -> float:

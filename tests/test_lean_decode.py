@@ -10,7 +10,7 @@ import torch
 from conftest import randomize_lora_b
 
 from grpolab.models.hf import HFCache, HFPolicy
-from grpolab.models.lean_decode import LeanCache, unsupported_reason
+from grpolab.models.lean_decode import LeanCache, _Linear, unsupported_reason
 from grpolab.rollout.engine import generate
 from grpolab.utils.padding import pad_sequences
 
@@ -249,3 +249,27 @@ def test_lora_kinds_the_lean_path_does_not_merge_fall_back():
     assert "DoRA" in unsupported_reason(dora.hf, 40)
     embed = _lora_policy("llama", target_modules=["q_proj", "embed_tokens"])
     assert "embeddings" in unsupported_reason(embed.hf, 40)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prepacked_linear_rows_do_not_depend_on_the_batch(threads):
+    """float32 on a CPU: the weights go through oneDNN prepacked; each row's output (and the residual
+    form's) is bit-identical computed with 600 other rows, a few, or alone, and equals x @ W.T + b to
+    float32 rounding. bfloat16 keeps F.linear."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+        x, res = torch.randn(600, 64, generator=g), torch.randn(600, 96, generator=g)
+        lin = _Linear(w, b)
+        assert lin.packed and lin.w.layout == torch._mkldnn or not torch.backends.mkldnn.is_available()
+        full, full_res = lin(x), lin.residual(res, x)
+        assert torch.allclose(full, x @ w.T + b, atol=1e-4)
+        assert torch.allclose(full_res, res + x @ w.T + b, atol=1e-4)
+        for rows in (slice(0, 1), slice(5, 8), slice(100, 133), slice(0, 300)):
+            assert torch.equal(lin(x[rows]), full[rows])
+            assert torch.equal(lin.residual(res[rows], x[rows]), full_res[rows])
+        assert not _Linear(w.bfloat16(), None).packed
+    finally:
+        torch.set_num_threads(before)

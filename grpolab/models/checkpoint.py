@@ -640,9 +640,9 @@ def _log_step(line: str) -> int | None:
 
 
 def drop_final_eval(path: Path, step: int, eval_every: int) -> None:
-    """Continuing a finished run past `step`: remove the eval/* keys from `step`'s row, the last one of
-    metrics.jsonl, unless train.eval_every evaluates at that step anyway (an unbroken run has no eval there
-    otherwise); rewritten atomically, and only when there are any."""
+    """Continuing a finished run past `step`: remove the eval/* keys (and the watch/* keys logged with them)
+    from `step`'s row, the last one of metrics.jsonl, unless train.eval_every evaluates at that step anyway (an
+    unbroken run has no eval there otherwise); rewritten atomically, and only when there are any."""
     if (eval_every and step % eval_every == 0) or not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
@@ -651,5 +651,5 @@ def drop_final_eval(path: Path, step: int, eval_every: int) -> None:
     row = json.loads(lines[-1])
     if row.get("step") != step or not any(k.startswith("eval/") for k in row):
         return
-    lines[-1] = json.dumps({k: v for k, v in row.items() if not k.startswith("eval/")}) + "\n"
+    lines[-1] = json.dumps({k: v for k, v in row.items() if not k.startswith(("eval/", "watch/"))}) + "\n"
     write_atomic(path, "".join(lines))

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Callable
 
+from .reward_hacking import ACCURACY_KEY, FLAG_KEY, Verdict
+
 LEVELS = {"quiet": 0, "normal": 1, "verbose": 2}
 PROGRESS_SECONDS = 10.0   # inside a long step, a progress line at most this often
 NO_VALUE = "\u2013"       # what a table shows where there is no value (an en dash, not 'nan')
@@ -55,6 +57,8 @@ class Console:
         self.stream = stream or sys.stdout
         self.level = LEVELS["quiet" if quiet else level]
         self.last_pass1: float | None = None
+        self.last_accuracy: float | None = None   # the latest held-out greedy accuracy, shown on every step line
+        self.hacking = False                      # the reward-hacking flag of the latest eval
 
     @property
     def quiet(self) -> bool:
@@ -74,12 +78,27 @@ class Console:
     def warn(self, msg: str) -> None:
         self._print(f"warning: {msg}", sys.stderr)
 
+    def evaluated(self, step: int, row: dict, verdict: Verdict | None = None) -> None:
+        """A GRPO eval's metrics (`row`: eval/* and watch/*): kept for the step lines, and one warning when the
+        reward-hacking flag turns on (none while it stays on)."""
+        self.last_accuracy = row.get(ACCURACY_KEY, self.last_accuracy)
+        self.last_pass1 = row.get("eval/pass@1", self.last_pass1)
+        flagged = bool(row.get(FLAG_KEY))
+        if flagged and not self.hacking:
+            why = verdict.describe() if verdict is not None else "see metrics.jsonl"
+            self.warn(f"possible reward hacking at step {step}: {why} ({FLAG_KEY}=1; docs/watching.md#reward-hacking)")
+        self.hacking = flagged
+
     def step(self, m: dict, step: int, total: int, elapsed: float, start_step: int = 0) -> None:
         """A GRPO step's line. `elapsed`: seconds since this process started training at `start_step`."""
         if "eval/pass@1" in m:
             self.last_pass1 = m["eval/pass@1"]
+        if ACCURACY_KEY in m:
+            self.last_accuracy = m[ACCURACY_KEY]
         eta = eta_seconds(elapsed, step - start_step, total - step)
         parts = [f"{progress_bar(step, total)} step {step}/{total}", f"reward {m['reward']:.3f}"]
+        if self.last_accuracy is not None:
+            parts.append(f"eval acc {self.last_accuracy:.3f}")
         if self.last_pass1 is not None:
             parts.append(f"pass@1 {self.last_pass1:.3f}")
         if "kl" in m:

@@ -41,6 +41,8 @@ from ..models import set_gradient_checkpointing
 from ..models.checkpoint import load_model, load_training_state, read_ref_state
 from ..models.logprobs import completion_logprobs
 from ..models.reference import frozen_reference, reference
+from ..monitor.report.read import read_jsonl
+from ..monitor.reward_hacking import Watch
 from ..rewards import reward_name, reward_names, wants_policy
 from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_mean, score
 from ..rewards.intrinsic import PolicyView
@@ -86,6 +88,8 @@ class GRPOTrainer(Trainer):
         self.max_steps = cfg.train.max_steps
         self.logprob_chunk = cfg.optim.logprob_chunk   # None: chosen per batch by its logits' size
         self.test_rows = test_rows[:cfg.eval.num_problems]
+        # reward hacking: held-out accuracy falling while the training reward does not (monitor/reward_hacking.py)
+        self.watch, self.watch_seeded = Watch(len(self.test_rows)), False
         a, o = cfg.algorithm, cfg.optim
         self.wants_policy = any(wants_policy(f) for f in cfg.reward.functions)   # intrinsic rewards
         if a.adv_estimator == "remax" and self.wants_policy:
@@ -536,6 +540,12 @@ class GRPOTrainer(Trainer):
         return out
 
     def train_step(self) -> dict:
+        if not self.watch_seeded:   # a resumed run's watch continues from the rows it logged up to its checkpoint
+            self.watch_seeded = True
+            if self.step and self.writes:
+                self.watch.seed(read_jsonl(self.run_dir / "metrics.jsonl"), self.step)
+                if self.console is not None and self.watch.evals:   # the step lines show the latest accuracy
+                    self.console.last_accuracy = self.watch.evals[-1][1]
         t0 = time.perf_counter()
         self.progress.start_step(f"step {self.step + 1}/{self.cfg.train.max_steps}")
         batch, stats = self.collect()
@@ -600,6 +610,7 @@ class GRPOTrainer(Trainer):
                 metrics.setdefault(k, sum(v) / len(v))
         self.last_batch = batch
         self.progress.end_step()
+        self.watch.add_reward(self.step, metrics["reward"])
         return metrics
 
     def step_label(self, n: int) -> str:
@@ -616,7 +627,14 @@ class GRPOTrainer(Trainer):
         return res
 
     def eval_row(self, res: dict) -> dict:
-        return {f"eval/{k}": v for k, v in res.items()}
+        """eval/* and the reward-hacking watch's watch/reward_hacking (0/1) and watch/greedy_accuracy_stderr."""
+        row = {f"eval/{k}": v for k, v in res.items()}
+        if "greedy_accuracy" in res:
+            watched, verdict = self.watch.add_eval(self.step, res["greedy_accuracy"])
+            row.update(watched)
+            if self.console is not None and self.writes:
+                self.console.evaluated(self.step, row, verdict)
+        return row
 
     def fresh_run(self) -> None:
         if (self.run_dir / "samples.jsonl").exists():

@@ -13,6 +13,7 @@ import html
 import math
 from pathlib import Path
 
+from ..reward_hacking import STDERR_KEY, WINDOW, Z, series_from_rows, verdicts
 from .plots import draw_plots, eval_endpoints, plot_stages
 from .read import metric_keys, num, read_json, read_jsonl, series, step_values
 
@@ -98,6 +99,42 @@ def _eval_section(ev) -> str:
     return "<h2>Final eval (eval.json)</h2>" + _table(["metric", "value"], rows) if rows else ""
 
 
+def _watch_sections(rows) -> tuple[str, str]:
+    """(warning box, table): the reward-hacking watch's flags, and held-out accuracy next to the training reward
+    at every eval of metrics.jsonl (monitor/reward_hacking.py); ("", "") without eval rows."""
+    rewards, evals = series_from_rows(rows)
+    acc_rows = [r for r in rows if num(r.get("eval/greedy_accuracy")) is not None]
+    if not acc_rows:
+        return "", ""
+    judged = {v.step: v for v in verdicts(rewards, evals)}
+    stderr_steps = {s for s, _, _ in evals}
+    table, prev = [], 0
+    for r in acc_rows:
+        step = r.get("step")
+        since = [x for s, x in rewards if prev < s <= step] if isinstance(step, int) else []
+        prev = step if isinstance(step, int) else prev
+        v = judged.get(step)
+        if v is not None:
+            flag = "FLAGGED" if v.flagged else "ok"
+        else:
+            flag = "no standard error logged" if step not in stderr_steps else f"no verdict (needs {WINDOW} evals)"
+        table.append([step, sum(since) / len(since) if since else None, num(r.get("eval/greedy_accuracy")),
+                      num(r.get(STDERR_KEY)), num(r.get("eval/pass@1")), flag])
+    section = ("<h2>Training reward and held-out accuracy</h2>"
+               + _table(["eval step", "training reward (mean since the eval before)", "held-out greedy accuracy",
+                         "standard error", "pass@1", "reward-hacking watch"], table))
+    flagged = [v for v in judged.values() if v.flagged]
+    if not flagged:
+        return "", section
+    steps = ", ".join(str(v.step) for v in flagged)
+    items = "".join(f"<li>step {_e(v.step)}: {_e(v.describe())}</li>" for v in flagged)
+    box = (f'<div class="warn" id="reward-hacking"><b>Possible reward hacking at step{"s" if len(flagged) > 1 else ""} '
+           f"{_e(steps)}</b>: held-out accuracy fell by more than {Z:g} standard errors over the last evals while "
+           f"the training reward did not fall. The reward may no longer measure the task: read the samples "
+           f"(samples.jsonl) of those steps.<ul>{items}</ul></div>")
+    return box, section
+
+
 def _last_values_section(rows) -> str:
     """The last finite value of every scalar metric, and its median over the run."""
     out = []
@@ -158,6 +195,7 @@ pre{background:#f7f7f7;border:1px solid #e5e5e5;padding:.5em;white-space:pre-wra
 font-size:.85em;max-height:30em;overflow:auto}
 .sample{border-left:3px solid #4c78a8;padding-left:.8em;margin:1em 0} .label{color:#666;font-size:.8em;margin-top:.3em}
 .meta{font-size:.9em} .note{color:#a60}
+.warn{background:#fdecea;border:2px solid #c0392b;color:#611a15;padding:.6em 1em;margin:1em 0;border-radius:4px}
 """
 
 
@@ -199,6 +237,7 @@ def write_report(run_dir: str | Path) -> Path:
     if ts:
         head.append(["time per step, s (median)", sorted(ts)[len(ts) // 2]])
 
+    warn_box, watch_table = _watch_sections(rows)
     figs = "".join(f'<figure><img alt="{_e(name)}" src="data:image/png;base64,{b64}">'
                    f'<figcaption><a href="report/{_e(name)}.png">{_e(name)}.png</a></figcaption></figure>'
                    for name, b64 in images)
@@ -207,8 +246,10 @@ def write_report(run_dir: str | Path) -> Path:
         f"<p>{_e(str(run_dir.resolve()))} · generated "
         f"{_e(_dt.datetime.now().isoformat(timespec='seconds'))}</p>",
         _table(["", "value"], head),
+        warn_box,
         _summary_section(summary),
         _eval_section(ev),
+        watch_table,
         "<h2>Training curves</h2>" + note + f'<div class="plots">{figs}</div>',
         _last_values_section(rows),
         _samples_section(samples),

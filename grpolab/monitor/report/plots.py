@@ -7,9 +7,10 @@ import base64
 import io
 from pathlib import Path
 
+from ..reward_hacking import Z, series_from_rows, verdicts
 from .read import metric_keys, num, series, step_values
 
-PLOTS = ("reward", "eval", "length", "kl", "entropy", "clip_ratio", "timing", "grad_lr")
+PLOTS = ("reward", "eval", "reward_vs_accuracy", "length", "kl", "entropy", "clip_ratio", "timing", "grad_lr")
 
 
 OFFLINE_PLOTS = ("loss", "eval", "grad_lr")   # sft, distill; dpo adds "preference"
@@ -90,6 +91,33 @@ def _plot_eval(ax, rows, keys, before: dict, after: dict, last_step) -> None:
     ax.set_title("held-out eval" + (" (squares: before, diamonds: after)" if before or after else ""))
     ax.set_xlabel("step")
     ax.legend(fontsize=7, loc="best")
+
+
+def _plot_reward_vs_accuracy(ax, rows) -> None:
+    """Training reward and held-out greedy accuracy (± Z standard errors) on one step axis; the windows of the evals
+    the reward-hacking watch flagged are shaded red (monitor/reward_hacking.py)."""
+    rewards, evals = series_from_rows(rows)
+    _, acc = series(rows, "eval/greedy_accuracy")
+    if not rewards or not acc:
+        return _placeholder(ax, "reward vs held-out accuracy", "no held-out evals in metrics.jsonl (train.eval_every)")
+    ax.plot([s for s, _ in rewards], [r for _, r in rewards], color="C0", lw=1.2, label="training reward")
+    ax.set_ylabel("training reward", color="C0")
+    ax.set_xlabel("step")
+    ax2 = ax.twinx()
+    ex, ey = series(rows, "eval/greedy_accuracy")
+    if evals:   # with standard errors: error bars
+        ax2.errorbar([s for s, _, _ in evals], [a for _, a, _ in evals], yerr=[Z * se for _, _, se in evals],
+                     color="C3", marker="o", ms=4, lw=1.5, capsize=3, label=f"held-out accuracy (± {Z:g} s.e.)")
+    else:
+        ax2.plot(ex, ey, color="C3", marker="o", ms=4, lw=1.5, label="held-out accuracy")
+    ax2.set_ylabel("held-out greedy accuracy", color="C3")
+    flagged = [v for v in verdicts(rewards, evals) if v.flagged]
+    for i, v in enumerate(flagged):
+        ax.axvspan(v.first_step, v.step, color="red", alpha=0.12, lw=0, label="reward hacking?" if i == 0 else None)
+    ax.set_title("training reward vs held-out accuracy" + (" (flagged: red)" if flagged else ""))
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="best")
 
 
 def _plot_twin(ax, rows, title, placeholder, left, right, right_color, *, right_from_zero=False,
@@ -214,6 +242,7 @@ def draw_plots(rows, summary, out_dir: Path, endpoints: tuple[dict, dict] = ({},
     drawers = {
         "reward": lambda ax: _plot_reward(ax, rows, keys),
         "eval": lambda ax: _plot_eval(ax, rows, keys, *endpoints, last_step),
+        "reward_vs_accuracy": lambda ax: _plot_reward_vs_accuracy(ax, rows),
         "length": lambda ax: _plot_twin(ax, rows, "completion length", "completion length",
                                         ("completions/mean_length", "mean length (tokens)"),
                                         ("completions/clipped_ratio", "clipped ratio (hit max_new_tokens)"), "C3",

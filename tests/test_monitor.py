@@ -14,6 +14,14 @@ def test_verbose_run_records_samples_tensorboard_and_report(tmp_path):
                 "log.samples_every=1", "log.samples_per_step=4", "log.tensorboard=true", "train.eval_every=2")
     assert r.returncode == 0, r.stderr
     assert "samples at step 3" in r.stdout and "step 3/3" in r.stdout and "ETA" in r.stdout
+    # held-out accuracy next to the reward from the first eval on, and the reward-hacking watch's keys with it
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    acc = rows[1]["eval/greedy_accuracy"]
+    for step in (2, 3):
+        line = next(ln for ln in r.stdout.splitlines() if f" step {step}/3 |" in ln)
+        assert f"| reward {rows[step - 1]['reward']:.3f} | eval acc {acc:.3f} |" in line, line
+    assert [(m.get("watch/reward_hacking"), "watch/greedy_accuracy_stderr" in m) for m in rows] == \
+        [(None, False), (0, True), (0, True)]   # two evals: too few for a verdict
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4
     assert set(samples[0]) == {"step", "prompt", "completion", "reward", "rewards", "advantage"}
@@ -26,6 +34,7 @@ def test_verbose_run_records_samples_tensorboard_and_report(tmp_path):
     assert [e.step for e in acc.Scalars("reward")] == [1, 2, 3]
     html = (out / "report.html").read_text()
     assert html.count("<img") >= 6
+    assert "<h2>Training reward and held-out accuracy</h2>" in html and 'class="warn"' not in html
 
 
 @pytest.mark.slow

@@ -202,3 +202,17 @@ def test_offline_run_plots_before_and_after_and_prints_a_dash_for_no_value(tmp_p
     # loss: before (NaN) -> dash, after 2.5, change -> dash; pass@8's NaN in eval.json -> dash
     assert re.search(r"<td>loss</td><td>–</td><td>2\.5</td><td>–</td>", page), page
     assert re.search(r"<td>pass@8</td><td>–</td>", page)
+
+
+def test_evals_without_a_standard_error_are_listed_but_not_judged(full_run):
+    """A run logged before the reward-hacking watch (no watch/greedy_accuracy_stderr): its evals are listed next
+    to the training reward since the eval before, and no verdict is drawn from them."""
+    _, _, page = full_run
+    table = page[page.index("<h2>Training reward and held-out accuracy</h2>"):page.index("<h2>Training curves")]
+    cells = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td>", table)
+    # the mean reward of steps 1-5, 6-10, ...: 0.2 + 0.5 * step / 20 averaged over them
+    want = [(str(s), sum(0.2 + 0.5 * t / STEPS for t in range(s - 4, s + 1)) / 5, 0.3 + 0.01 * s) for s in EVAL_STEPS]
+    assert [(s, float(r), float(a)) for s, r, a in cells] == [(s, pytest.approx(r, abs=1e-4), pytest.approx(a))
+                                                             for s, r, a in want]
+    assert table.count("no standard error logged") == len(EVAL_STEPS)
+    assert 'class="warn"' not in page

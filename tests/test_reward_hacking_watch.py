@@ -255,6 +255,7 @@ def test_a_run_resumed_before_the_fall_flags_the_same_steps(hacked, tmp_path):
     assert _strip(resumed / "metrics.jsonl") == straight
 
 
+@pytest.mark.slow
 def test_a_report_of_unflagged_evals_has_the_table_but_no_warning(tmp_path):
     """Hand-written rows as the trainer logs them (Watch.add_eval): accuracy within noise, no warning box, no red."""
     w, rows = Watch(50), []

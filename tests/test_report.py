@@ -216,3 +216,11 @@ def test_evals_without_a_standard_error_are_listed_but_not_judged(full_run):
                                                              for s, r, a in want]
     assert table.count("no standard error logged") == len(EVAL_STEPS)
     assert 'class="warn"' not in page
+
+
+def test_an_offline_run_with_evals_has_no_reward_table(tmp_path):
+    """sft logs eval/greedy_accuracy but no reward: nothing to set it next to, no reward-hacking table."""
+    _write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "loss": 3.0 - 0.1 * s, "eval/greedy_accuracy": 0.1 * s}
+                                              for s in range(1, 4)])
+    page = write_report(tmp_path).read_text(encoding="utf-8")
+    assert "Training reward and held-out accuracy" not in page and 'class="warn"' not in page

@@ -101,10 +101,11 @@ def _eval_section(ev) -> str:
 
 def _watch_sections(rows) -> tuple[str, str]:
     """(warning box, table): the reward-hacking watch's flags, and held-out accuracy next to the training reward
-    at every eval of metrics.jsonl (monitor/reward_hacking.py); ("", "") without eval rows."""
+    at every eval of metrics.jsonl (monitor/reward_hacking.py); ("", "") without eval rows or without a reward
+    (an offline stage)."""
     rewards, evals = series_from_rows(rows)
     acc_rows = [r for r in rows if num(r.get("eval/greedy_accuracy")) is not None]
-    if not acc_rows:
+    if not acc_rows or not rewards:
         return "", ""
     judged = {v.step: v for v in verdicts(rewards, evals)}
     stderr_steps = {s for s, _, _ in evals}

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import grpolab
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.tiny_hf import save_tiny_model
+from grpolab.serve import prompt_logprobs
 from grpolab.serve.batcher import Batcher, Job, SamplingParams
 from grpolab.serve.metrics import Metrics
 
@@ -177,9 +178,11 @@ def test_metrics_registries_are_per_server():
     assert b"grpolab:prompt_tokens_total 3.0" in a.render() and b"grpolab:prompt_tokens_total 0.0" in b.render()
 
 
-def test_prompt_scoring_jobs_prefill_apart_and_score_as_a_plain_forward():
+def test_prompt_scoring_jobs_prefill_apart_and_score_as_a_plain_forward(monkeypatch):
     """A batch of jobs that ask for prompt log-probs and one that does not: the one that does not is
-    prefilled on its own (its tokens never depend on who asked), the others' scores equal a plain forward's."""
+    prefilled on its own (its tokens never depend on who asked), the others' scores equal a plain forward's
+    (scored 3 positions at a time here, so the chunks' seams are crossed)."""
+    monkeypatch.setattr(prompt_logprobs, "CHUNK", 3)
     tok = CharTokenizer()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=96)).eval()

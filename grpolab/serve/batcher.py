@@ -296,7 +296,7 @@ class Batcher:
             for b, job in enumerate(new):
                 job.prompt_scores = prompt_logprobs(full[b, width - len(job.prompt_ids):], job.prompt_ids,
                                                     job.prompt_logprobs)
-            logits = full[:, -1].float()
+            logits = full[:, -1].to(torch.float32, copy=True)   # a copy: a view would keep `full` alive
             del full
         now = time.monotonic()
         for job in new:

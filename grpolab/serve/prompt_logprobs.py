@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+# positions scored at a time: the float32 log-softmax of a long prompt is never held whole
+CHUNK = 512
+
 
 @dataclass(frozen=True)
 class PromptLogprob:
@@ -26,13 +29,14 @@ def prompt_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list[Prompt
     """Scores of `ids[1:]` from `logits` (L, V), the model's logits at the prompt's L positions:
     token i has log-prob logp_i = log_softmax(logits[i - 1])[ids[i]] and rank 1 + #{v : logp(v) > logp_i}.
     The first entry is None: nothing precedes the first token, so the model gives it no probability."""
-    if len(ids) < 2:
-        return [None] * len(ids)
-    logp = logits[:-1].float().log_softmax(-1)                      # (L - 1, V): position i predicts token i + 1
-    target = torch.tensor(ids[1:], device=logp.device)[:, None]
-    chosen = logp.gather(-1, target)                                 # (L - 1, 1)
-    ranks = (logp > chosen).sum(-1) + 1
-    top = logp.topk(k, dim=-1) if k else None
-    tops = zip(top.indices.tolist(), top.values.tolist()) if k else ([[], []] for _ in ranks)
-    return [None] + [PromptLogprob(lp, rank, list(zip(t_ids, t_lps)))
-                     for lp, rank, (t_ids, t_lps) in zip(chosen[:, 0].tolist(), ranks.tolist(), tops)]
+    out: list[PromptLogprob | None] = [None]
+    for a in range(0, len(ids) - 1, CHUNK):   # position i predicts token i + 1
+        b = min(a + CHUNK, len(ids) - 1)
+        logp = logits[a:b].float().log_softmax(-1)
+        chosen = logp.gather(-1, torch.tensor(ids[a + 1:b + 1], device=logp.device)[:, None])
+        ranks = (logp > chosen).sum(-1)
+        top = logp.topk(k, dim=-1) if k else None
+        tops = zip(top.indices.tolist(), top.values.tolist()) if k else ([[], []] for _ in range(b - a))
+        out += [PromptLogprob(lp, rank + 1, list(zip(t_ids, t_lps)))
+                for lp, rank, (t_ids, t_lps) in zip(chosen[:, 0].tolist(), ranks.tolist(), tops)]
+    return out[:len(ids)]

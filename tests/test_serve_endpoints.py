@@ -137,9 +137,33 @@ def test_echo_of_token_batches_and_max_tokens_zero(url, hf):
     assert c["logprobs"]["top_logprobs"][1] == {tok.decode([ids[1]]): c["logprobs"]["token_logprobs"][1]}
     no_lp = _complete(url, prompt=PROMPT, max_tokens=3, echo=True)["choices"][0]
     assert no_lp["logprobs"] is None and no_lp["text"].startswith(PROMPT) and "prompt_logprobs" not in no_lp
-    for body, param in [({"prompt_logprobs": 21}, "prompt_logprobs"), ({"echo": True, "stream": True}, "echo"),
-                        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"), ({"max_tokens": 0}, "max_tokens")]:
+    for body, param in [({"prompt_logprobs": 21}, "prompt_logprobs"), ({"max_tokens": 0}, "max_tokens"),
+                        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")]:
         assert _complete(url, 400, **{"prompt": "a", "max_tokens": 2, **body})["error"]["param"] == param
+
+
+def _stream(url, **body) -> list[dict]:
+    """The choices of a streamed completion's chunks, in order."""
+    import json
+    out = []
+    with httpx.stream("POST", url + "/v1/completions", json={"model": "tiny", "temperature": 0, "stream": True, **body},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out += json.loads(line[6:]).get("choices", [])
+    return out
+
+
+@pytest.mark.slow
+def test_echo_streams_what_it_answers_whole(url):
+    for max_tokens in (8, 0):
+        whole = _complete(url, prompt=PROMPT, max_tokens=max_tokens, logprobs=2, echo=True)["choices"][0]
+        chunks = _stream(url, prompt=PROMPT, max_tokens=max_tokens, logprobs=2, echo=True)
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert chunks[0]["text"].startswith(PROMPT) and chunks[-1]["finish_reason"] == whole["finish_reason"]
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert sum((c["logprobs"][key] for c in chunks if c["logprobs"]), []) == whole["logprobs"][key], key
+        assert sum((c["logprobs"]["top_logprobs"] for c in chunks), []) == whole["logprobs"]["top_logprobs"]
 
 
 def _scrape(url) -> dict:
@@ -156,17 +180,20 @@ def test_metrics_count_requests_and_tokens_exactly(url):
     other = ("grpolab:http_requests_total", (("endpoint", "other"), ("status", "404")))
     before = _scrape(url)
     r = _complete(url, prompt=["Tom reads", PROMPT], max_tokens=5, n=2)
+    streamed = _stream(url, prompt="a", max_tokens=3, stream_options={"include_usage": True})
     _complete(url, 400, prompt="a", max_tokens=2, temperature=-1)
     assert httpx.get(url + "/no/such/path").status_code == 404
     after = _scrape(url)
 
     def moved(key):
         return after.get(key, 0) - before.get(key, 0)
-    assert (moved(ok), moved(bad), moved(other)) == (1, 1, 1)
-    assert moved(("grpolab:prompt_tokens_total", ())) == r["usage"]["prompt_tokens"]
-    assert moved(("grpolab:generation_tokens_total", ())) == r["usage"]["completion_tokens"] == 20
-    assert moved(("grpolab:e2e_request_latency_seconds_count", ())) == 1
-    assert moved(("grpolab:time_to_first_token_seconds_count", ())) == 2   # one prefill per prompt
+    assert (moved(ok), moved(bad), moved(other)) == (2, 1, 1)
+    assert len([c for c in streamed if c["text"]]) == 3   # one token a chunk: the stream is counted at its end
+    assert moved(("grpolab:prompt_tokens_total", ())) == r["usage"]["prompt_tokens"] + 1
+    assert moved(("grpolab:generation_tokens_total", ())) == r["usage"]["completion_tokens"] + 3 == 23
+    latency = moved(("grpolab:e2e_request_latency_seconds_sum", ()))
+    assert moved(("grpolab:e2e_request_latency_seconds_count", ())) == 2 and 0 < latency < 60
+    assert moved(("grpolab:time_to_first_token_seconds_count", ())) == 3   # one prefill per prompt
     assert after[("grpolab:num_requests_running", ())] == 0 and after[("grpolab:num_requests_waiting", ())] == 0
 
 

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from ..data.messages import canonical_role, role_problem
 from .batcher import MAX_LOGPROBS, BadSampling, Batcher, Choice, Job, SamplingParams, held_back
-from .echo import Echo, completion_choice, legacy_logprobs
+from .echo import Echo, completion_choice, echo_chunk, legacy_logprobs
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .tokenize import DetokenizeRequest, TokenizeRequest, encode, raw_ids, token_strs, tokenizer_info
 
@@ -329,9 +329,8 @@ def _echo(tok, r: CompletionRequest, prompts: list[list[int]]) -> Echo:
     k = r.prompt_logprobs
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise APIError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {k}", "prompt_logprobs")
-    if r.stream and (r.echo or k is not None):
-        raise APIError(f"{'echo' if r.echo else 'prompt_logprobs'} is not supported with stream; "
-                       f"ask with stream: false", "echo" if r.echo else "prompt_logprobs")
+    if r.stream and k is not None:   # as vLLM: the field belongs to a whole response
+        raise APIError("prompt_logprobs is not supported with stream; ask with stream: false", "prompt_logprobs")
     texts = None
     if r.echo:   # a text prompt comes back as it was given; token ids as they decode
         p = r.prompt
@@ -347,7 +346,7 @@ def _echo(tok, r: CompletionRequest, prompts: list[list[int]]) -> Echo:
 async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], params: SamplingParams, chat: bool,
                    request: Request, echo: Echo | None = None, start: float | None = None):
     echo = echo or Echo()
-    start = time.monotonic() if start is None else start
+    arrived = time.monotonic() if start is None else start
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     jobs = server.jobs(prompts, params, loop, events, r.stream, prompt_logprobs=echo.scores)
@@ -395,7 +394,7 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                                                     echo.generate, params.logprobs, echo.prompt_logprobs))
                 choices.append(choice)
         used = usage()
-        server.metrics.answered(start, jobs, used)
+        server.metrics.answered(arrived, jobs, used)
         return {**head, "choices": choices, "usage": used}
 
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -412,6 +411,7 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
     async def stream():
         sent: dict[tuple[int, int], int] = {}
         lp_sent: dict[tuple[int, int], int] = {}
+        echoed: set[tuple[int, int]] = set()
         try:
             if chat:
                 for j in range(n):
@@ -431,12 +431,16 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                         t0, t1 = lp_sent.get((k, j), 0), min(len(c.logprobs), ntok)
                         lp, lp_sent[(k, j)] = _logprobs(server.tok, c, chat, t0, t1), t1
                     sent[(k, j)] = max(start, end)
-                    yield chunk(k * n + j, text[start:end] if end > start else None,
-                                c.finish_reason if done else None, lp)
+                    piece = text[start:end] if end > start else None
+                    if echo.texts:   # the prompt (and its scores) leads the choice's first chunk
+                        piece, lp = echo_chunk(server.tok, jobs[k], echo, k, (k, j) not in echoed, piece, lp,
+                                               params.logprobs)
+                        echoed.add((k, j))
+                    yield chunk(k * n + j, piece, c.finish_reason if done else None, lp)
             if failed():
                 yield f"data: {json.dumps(_error_body(f'generation failed: {failed()}', kind='server_error'))}\n\n"
             elif not pending:
-                server.metrics.answered(start, jobs, usage())
+                server.metrics.answered(arrived, jobs, usage())
             if include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"

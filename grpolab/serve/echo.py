@@ -113,6 +113,35 @@ def vllm_prompt_logprobs(tok, job: Job, k: int) -> list[dict | None]:
     return out
 
 
+def prompt_part(tok, job: Job, text: str, k: int) -> dict:
+    """The legacy log-probs of a job's prompt tokens (k alternatives each), offsets into its `text`."""
+    return legacy_logprobs(tok, job.prompt_ids, [None if s is None else s.logprob for s in job.prompt_scores],
+                           [None if s is None else s.top[:k] for s in job.prompt_scores],
+                           prompt_offsets(tok, job.prompt_ids, text))
+
+
+def joined(a: dict, b: dict) -> dict:
+    """Two legacy log-probs objects as one (b's tokens after a's)."""
+    return {key: a[key] + b[key] for key in a}
+
+
+def echo_chunk(tok, job: Job, echo: Echo, k: int, first: bool, piece: str | None, logprobs: dict | None,
+               top: int | None) -> tuple[str | None, dict | None]:
+    """A streamed chunk's text and log-probs with echo: the completion's offsets moved past the prompt's
+    text, the prompt and its scores before the choice's first piece; with max_tokens 0 the prompt alone."""
+    text = echo.texts[k]
+    if not echo.generate:
+        piece, logprobs = None, None
+    elif logprobs is not None:
+        logprobs = {**logprobs, "text_offset": [len(text) + o for o in logprobs["text_offset"]]}
+    if not first:
+        return piece, logprobs
+    if top is not None:
+        pre = prompt_part(tok, job, text, top)
+        logprobs = pre if logprobs is None else joined(pre, logprobs)
+    return text + (piece or ""), logprobs
+
+
 def completion_choice(tok, job: Job, c: Choice, prompt_text: str | None, generate: bool, logprobs: int | None,
                       prompt_k: int | None) -> dict:
     """`text`, `logprobs` (legacy shape, when `logprobs` is not None) and, when `prompt_k` is not None,
@@ -121,19 +150,11 @@ def completion_choice(tok, job: Job, c: Choice, prompt_text: str | None, generat
     completion = c.text if generate else ""
     out: dict = {"text": completion if prompt_text is None else prompt_text + completion, "logprobs": None}
     if logprobs is not None:
-        ids, lps, tops, offsets = [], [], [], []
-        if prompt_text is not None:
-            ids += job.prompt_ids
-            lps += [None if s is None else s.logprob for s in job.prompt_scores]
-            tops += [None if s is None else s.top[:logprobs] for s in job.prompt_scores]
-            offsets += prompt_offsets(tok, job.prompt_ids, prompt_text)
-        if generate:
-            base = 0 if prompt_text is None else len(prompt_text)
-            ids += c.tokens[:len(c.logprobs)]
-            lps += c.logprobs
-            tops += c.top
-            offsets += [base + x for x in prefix_lengths(tok, c.tokens[:len(c.logprobs)])[:-1]]
-        out["logprobs"] = legacy_logprobs(tok, ids, lps, tops, offsets)
+        base = 0 if prompt_text is None else len(prompt_text)
+        ids = c.tokens[:len(c.logprobs)] if generate else []
+        lp = legacy_logprobs(tok, ids, c.logprobs if generate else [], c.top if generate else [],
+                             [base + x for x in prefix_lengths(tok, ids)[:-1]])
+        out["logprobs"] = lp if prompt_text is None else joined(prompt_part(tok, job, prompt_text, logprobs), lp)
     if prompt_k is not None:
         out["prompt_logprobs"] = vllm_prompt_logprobs(tok, job, prompt_k)
     return out

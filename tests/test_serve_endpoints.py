@@ -238,3 +238,25 @@ def test_prompt_scoring_jobs_prefill_apart_and_score_as_a_plain_forward(monkeypa
             assert s.logprob == pytest.approx(logp[i - 1, t].item(), abs=1e-5)
             assert s.rank == int((logp[i - 1] > logp[i - 1, t]).sum()) + 1
             assert [x for x, _ in s.top] == logp[i - 1].topk(2).indices.tolist()
+
+
+def test_text_offsets_are_where_each_token_starts(model_dir):
+    """Offsets from windowed decodes equal the exact rule (the length of the text decoded before each token),
+    across split UTF-8 characters; a BOS the tokenizer adds, absent from the echoed text, starts at 0."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from grpolab.models.hf import HFTokenizer
+    from grpolab.serve.echo import WINDOW, prefix_lengths, prompt_offsets
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = "Mia has 7 shells 😀😀 and é finds 5 more 🐚 " * 3
+    ids = tok(text)["input_ids"]
+    assert len(ids) > 4 * WINDOW and "\ufffd" in tok.decode(ids[:ids.index(tok.encode("😀")[0]) + 1])
+    assert prefix_lengths(HFTokenizer(tok), ids) == [len(tok.decode(ids[:i])) for i in range(len(ids) + 1)]
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", bos)])
+    with_bos = tok(text)["input_ids"]
+    assert with_bos == [bos] + ids
+    offsets = prompt_offsets(HFTokenizer(tok), with_bos, text)
+    assert offsets == [0] + [len(tok.decode(ids[:i])) for i in range(len(ids))]

@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP API over the batcher (FastAPI): /v1/models, /v1/completions,
-/v1/chat/completions (streamed as server-sent events when asked), /health.
+"""OpenAI-compatible HTTP API over the batcher (FastAPI): /v1/models, /v1/completions (with `echo` and
+prompt log-probs, echo.py), /v1/chat/completions (streamed as server-sent events when asked), /health,
+and vLLM's /tokenize, /detokenize, /tokenizer_info (tokenize.py), /version and /metrics (metrics.py).
 
 Requests are validated here and turned into `Job`s; the batcher decodes every request's rows
 together in its own thread and reports each new token back to the request's event loop. Errors
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import threading
 import time
@@ -26,12 +26,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from ..data.messages import canonical_role, role_problem
-from .batcher import BadSampling, Batcher, Choice, Job, SamplingParams, held_back
+from .batcher import MAX_LOGPROBS, BadSampling, Batcher, Choice, Job, SamplingParams, held_back
+from .echo import Echo, completion_choice, echo_chunk, legacy_logprobs
+from .metrics import CONTENT_TYPE, CountRequests, Metrics
+from .tokenize import DetokenizeRequest, TokenizeRequest, encode, raw_ids, token_strs, tokenizer_info
 
 # defaults of `grpolab serve --max-rows-per-request` and `--max-waiting` (rows = prompts × n)
 MAX_ROWS_PER_REQUEST = 1024
@@ -66,6 +70,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 class ChatRequest(_Sampling):
@@ -92,6 +97,7 @@ class Server:
         self.max_rows_per_request, self.max_waiting = max_rows_per_request, max_waiting
         self.api_key = api_key or None
         self.thread: threading.Thread | None = None
+        self.metrics = Metrics(batcher)   # its own registry: two servers in one process count apart
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.batcher.run, name="grpolab-batcher", daemon=True)
@@ -183,10 +189,11 @@ class Server:
             raise APIError(str(e), "messages") from None
 
     def jobs(self, prompts: list[list[int]], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-             events: asyncio.Queue, stream: bool) -> list[Job]:
+             events: asyncio.Queue, stream: bool, prompt_logprobs: int | None = None) -> list[Job]:
         """Submit one job per prompt; updates (each token when streaming, else each finished choice)
         arrive on `events` as (job number, choice index, text so far, done, tokens so far): a snapshot
-        taken in the batcher's thread, so the text and the token count belong together."""
+        taken in the batcher's thread, so the text and the token count belong together. With
+        `prompt_logprobs` (top k), each job's prefill scores its prompt tokens too."""
         rows, waiting = len(prompts) * params.n, self.batcher.waiting_rows
         if waiting + rows > self.max_waiting:   # refused whole: a request never waits half-queued
             raise APIError(f"the server is busy: {waiting} rows are waiting for a place in the batch and this request "
@@ -200,7 +207,7 @@ class Server:
                                               (k, choice.index, choice.text, choice.done, len(choice.tokens)))
                 except RuntimeError:   # the request's event loop is gone (shutting down): nobody to tell
                     pass
-            jobs.append(Job(ids, params, notify, draw=k, live=stream))
+            jobs.append(Job(ids, params, notify, draw=k, live=stream, prompt_logprobs=prompt_logprobs))
         for job in jobs:
             self.batcher.submit(job)
         return jobs
@@ -252,32 +259,97 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(r: CompletionRequest, request: Request):
+        start = time.monotonic()
         server._check_model(r.model)
-        if r.echo:
-            raise APIError("echo is not supported", "echo")
         p = r.prompt   # a list of strings or of id lists is a batch of prompts; checked before tokenizing them
         server.check_rows(len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1, r.n)
         prompts = server.completion_prompts(r)
-        params = server._params(r, max(len(p) for p in prompts), r.max_tokens, r.logprobs)
-        return await _respond(server, r, prompts, params, chat=False, request=request)
+        echo = _echo(server.tok, r, prompts)
+        # max_tokens 0 with echo (vLLM's): one token is sampled, as for any request, and not returned
+        params = server._params(r, max(len(p) for p in prompts), r.max_tokens if echo.generate else 1, r.logprobs)
+        return await _respond(server, r, prompts, params, chat=False, request=request, echo=echo, start=start)
 
     @app.post("/v1/chat/completions")
     async def chat(r: ChatRequest, request: Request):
+        start = time.monotonic()
         server._check_model(r.model)
         server.check_rows(1, r.n)
         prompt = server.chat_prompt(r)
         top = (r.top_logprobs or 0) if r.logprobs else None
         params = server._params(r, len(prompt), r.max_completion_tokens or r.max_tokens, top)
-        return await _respond(server, r, [prompt], params, chat=True, request=request)
+        return await _respond(server, r, [prompt], params, chat=True, request=request, start=start)
 
+    @app.post("/tokenize")
+    async def tokenize(r: TokenizeRequest):
+        if r.model is not None:
+            server._check_model(r.model)
+        if (r.prompt is None) == (r.messages is None):
+            raise APIError("give either 'prompt' (a string) or 'messages' (chat messages), not both or neither",
+                           "prompt")
+        if r.messages is not None:
+            if not r.add_generation_prompt or r.add_special_tokens:
+                raise APIError("messages are tokenized as /v1/chat/completions renders them (with the generation "
+                               "prompt, no extra special tokens)", "add_generation_prompt")
+            ids = server.chat_prompt(ChatRequest(model=server.name, messages=r.messages))
+        else:
+            ids = encode(server.tok, r.prompt, r.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": server.context, "tokens": ids,
+                "token_strs": token_strs(server.tok, ids) if r.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(r: DetokenizeRequest):
+        if r.model is not None:
+            server._check_model(r.model)
+        vocab = server.tok.vocab_size
+        bad = next((t for t in r.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"tokens: {bad} is not a token id of this model (ids are in [0, {vocab}))", "tokens")
+        return {"prompt": server.tok.decode(r.tokens, skip_special=False)}
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokenizer_info(server.tok, server.context)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    # outermost: a refused key (401) or a malformed body (400) is counted too
+    app.add_middleware(CountRequests, metrics=server.metrics, paths={route.path for route in app.routes})
     return app
 
 
+def _echo(tok, r: CompletionRequest, prompts: list[list[int]]) -> Echo:
+    """What a completions request wants back besides its completions (see echo.py); a 400 for prompt
+    log-probs out of range or asked for a stream."""
+    k = r.prompt_logprobs
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {k}", "prompt_logprobs")
+    if r.stream and k is not None:   # as vLLM: the field belongs to a whole response
+        raise APIError("prompt_logprobs is not supported with stream; ask with stream: false", "prompt_logprobs")
+    texts = None
+    if r.echo:   # a text prompt comes back as it was given; token ids as they decode
+        p = r.prompt
+        given = [p] if isinstance(p, str) else p if p and isinstance(p[0], str) else None
+        texts = given or [tok.decode(ids, skip_special=False) for ids in prompts]
+    if k is None and r.echo:   # vLLM's: echo with logprobs scores the prompt with that many alternatives
+        k = r.logprobs
+    scores = [x for x in (k, r.logprobs if r.echo else None) if x is not None]
+    return Echo(texts, generate=not (r.echo and r.max_tokens == 0), prompt_logprobs=k,
+                scores=max(scores) if scores else None)
+
+
 async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                   request: Request):
+                   request: Request, echo: Echo | None = None, start: float | None = None):
+    echo = echo or Echo()
+    arrived = time.monotonic() if start is None else start
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    jobs = server.jobs(prompts, params, loop, events, r.stream)
+    jobs = server.jobs(prompts, params, loop, events, r.stream, prompt_logprobs=echo.scores)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -290,7 +362,7 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
         return next((j.error for j in jobs if j.error), None)
 
     def usage() -> dict:
-        completion = sum(len(c.tokens) for j in jobs for c in j.choices)
+        completion = sum(len(c.tokens) for j in jobs for c in j.choices) if echo.generate else 0
         prompt = sum(len(p) for p in prompts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -313,14 +385,17 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
         choices = []
         for k, job in enumerate(jobs):
             for c in job.choices:
-                choice = {"index": k * n + c.index, "finish_reason": c.finish_reason,
-                          "logprobs": _logprobs(server.tok, c, chat) if params.logprobs is not None else None}
+                choice = {"index": k * n + c.index, "finish_reason": c.finish_reason}
                 if chat:
+                    choice["logprobs"] = _logprobs(server.tok, c, chat) if params.logprobs is not None else None
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
-                    choice["text"] = c.text
+                    choice.update(completion_choice(server.tok, job, c, echo.texts[k] if echo.texts else None,
+                                                    echo.generate, params.logprobs, echo.prompt_logprobs))
                 choices.append(choice)
-        return {**head, "choices": choices, "usage": usage()}
+        used = usage()
+        server.metrics.answered(arrived, jobs, used)
+        return {**head, "choices": choices, "usage": used}
 
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((r.stream_options or {}).get("include_usage"))
@@ -336,6 +411,7 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
     async def stream():
         sent: dict[tuple[int, int], int] = {}
         lp_sent: dict[tuple[int, int], int] = {}
+        echoed: set[tuple[int, int]] = set()
         try:
             if chat:
                 for j in range(n):
@@ -355,10 +431,16 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                         t0, t1 = lp_sent.get((k, j), 0), min(len(c.logprobs), ntok)
                         lp, lp_sent[(k, j)] = _logprobs(server.tok, c, chat, t0, t1), t1
                     sent[(k, j)] = max(start, end)
-                    yield chunk(k * n + j, text[start:end] if end > start else None,
-                                c.finish_reason if done else None, lp)
+                    piece = text[start:end] if end > start else None
+                    if echo.texts:   # the prompt (and its scores) leads the choice's first chunk
+                        piece, lp = echo_chunk(server.tok, jobs[k], echo, k, (k, j) not in echoed, piece, lp,
+                                               params.logprobs)
+                        echoed.add((k, j))
+                    yield chunk(k * n + j, piece, c.finish_reason if done else None, lp)
             if failed():
                 yield f"data: {json.dumps(_error_body(f'generation failed: {failed()}', kind='server_error'))}\n\n"
+            elif not pending:
+                server.metrics.answered(arrived, jobs, usage())
             if include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
@@ -393,15 +475,6 @@ class RequireKey:
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
 
 
-def raw_ids(tok, text: str) -> list[int]:
-    """A completions prompt as it is: an HF tokenizer's ids (its BOS included, special-token text
-    parsed); for the built-in tokenizer, characters with special-token text (e.g. <|bos|>) parsed."""
-    if hasattr(tok, "tok"):
-        return tok.tok(text)["input_ids"]
-    parts = re.split("(" + "|".join(re.escape(t) for t in tok.special) + ")", text)
-    return [i for part in parts if part for i in ([tok.special[part]] if part in tok.special else tok.encode(part))]
-
-
 def _logprobs(tok, c: Choice, chat: bool, start: int = 0, end: int | None = None):
     """A choice's token log-probs from `start` on, in the completions API's (legacy) or chat's shape."""
     end = len(c.logprobs) if end is None else end
@@ -415,5 +488,4 @@ def _logprobs(tok, c: Choice, chat: bool, start: int = 0, end: int | None = None
     # where each token's text starts in the completion's text: the length of the text decoded before it
     # (decoding token by token would drop a SentencePiece token's leading space)
     offsets = [len(tok.decode(c.tokens[:i])) for i in range(start, end)]
-    return {"tokens": piece, "token_logprobs": lps, "text_offset": offsets,
-            "top_logprobs": [{tok.decode([t], skip_special=False): v for t, v in top} for top in tops]}
+    return legacy_logprobs(tok, ids, lps, tops, offsets)

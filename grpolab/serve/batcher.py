@@ -20,6 +20,7 @@ import math
 import queue
 import secrets
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +31,7 @@ from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
 from ..utils.padding import pad_sequences
 from . import frame
+from .prompt_logprobs import PromptLogprob, prompt_logprobs
 
 # a frame is rebuilt tighter once this many leading columns are padding for every row
 SLACK = 32
@@ -39,6 +41,9 @@ MAX_LOGPROBS = 20
 # a temperature below this samples greedily (as vLLM's): logits / 1e-300 overflow float32 to inf, and
 # the softmax of infinities is NaN, which drew the vocabulary's last token instead of the best one
 GREEDY_BELOW = 1e-5
+# a prefill that keeps every position's logits (jobs asking for prompt log-probs) admits jobs while
+# jobs × prompt width × vocabulary stays under this many logits (1 GiB in float32); the first always goes
+PROMPT_LOGITS = 2**28
 
 
 class BadSampling(ValueError):
@@ -104,14 +109,18 @@ class Choice:
 
 
 class Job:
-    """One prompt's request: `n` choices, sampled with `params`."""
+    """One prompt's request: `n` choices, sampled with `params`. With `prompt_logprobs` (k top
+    alternatives, 0: none), the prefill also scores the prompt's own tokens into `prompt_scores`."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, on_update: Callable | None = None,
-                 draw: int = 0, live: bool = False) -> None:
+                 draw: int = 0, live: bool = False, prompt_logprobs: int | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.on_update = on_update
         self.live = live   # text after every token (streaming); else only once a choice ends
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_scores: list[PromptLogprob | None] | None = None
+        self.prefilled_at: float | None = None   # time.monotonic() when its prefill ended (time to first token)
         if params.seed is not None:   # choice j of a seeded job: key of (seed, draw, j)
             keys = completion_keys(params.seed, torch.full((params.n,), draw, dtype=torch.long),
                                    torch.arange(params.n)).tolist()
@@ -264,8 +273,8 @@ class Batcher:
                 self._head = None
                 self._left_queue(job)
                 continue
-            if job.params.n > free and (self.rows or new):
-                self._head = job   # waits for rows to leave (first in, first out)
+            if (job.params.n > free and (self.rows or new)) or (new and not self._same_prefill(new, job)):
+                self._head = job   # waits for rows to leave, or for the next prefill (first in, first out)
                 break
             self._head = None
             self._left_queue(job)
@@ -280,7 +289,18 @@ class Batcher:
         ids, valid = pad_sequences([j.prompt_ids for j in new], self.tok.pad_id, "left")
         # an empty batch: the new rows' cache is the frame (room to decode); else a prompt-sized one, placed
         cache = frame.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
-        logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
+        if new[0].prompt_logprobs is None:
+            logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
+        else:   # every position's logits: each prompt's scores, then its last position's for sampling
+            full = self.model(ids.to(self.device), key_valid=valid.to(self.device), cache=cache, logits_to_keep=0)
+            for b, job in enumerate(new):
+                job.prompt_scores = prompt_logprobs(full[b, width - len(job.prompt_ids):], job.prompt_ids,
+                                                    job.prompt_logprobs)
+            logits = full[:, -1].to(torch.float32, copy=True)   # a copy: a view would keep `full` alive
+            del full
+        now = time.monotonic()
+        for job in new:
+            job.prefilled_at = now
         if any(j.params.n > 1 for j in new):   # each prompt prefilled once, copied to its n rows
             copies = torch.tensor([i for i, j in enumerate(new) for _ in range(j.params.n)], device=self.device)
             cache, logits = cache.select(copies), logits[copies]
@@ -298,6 +318,15 @@ class Batcher:
         self.rows += rows
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []
+
+    def _same_prefill(self, new: list[Job], job: Job) -> bool:
+        """Whether `job` joins the prefill of `new`: a prefill keeps either every position's logits (jobs that
+        ask for prompt log-probs, within PROMPT_LOGITS) or only the last ones, so the jobs that do not ask
+        never run through the other computation, and their tokens do not depend on who else was admitted."""
+        if (job.prompt_logprobs is None) != (new[0].prompt_logprobs is None):
+            return False
+        width = max(len(job.prompt_ids), *(len(j.prompt_ids) for j in new))
+        return job.prompt_logprobs is None or (len(new) + 1) * width * self.tok.vocab_size <= PROMPT_LOGITS
 
     def _sample(self) -> torch.Tensor:
         """One token per row: each group of rows with the same settings in one call, with keyed uniforms."""

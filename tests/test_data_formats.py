@@ -319,3 +319,20 @@ def test_grpo_trains_on_prompts_from(fmt, tmp_path):
             "dotted": [r["instruction"] for r in ALPACA]}[fmt]
     seen = [json.loads(x)["prompt"] for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert seen and all(p in want for p in seen), seen   # the rollouts were prompted with the rows' prompts
+
+
+@pytest.mark.slow
+def test_sft_on_nested_files_task_rows_trains_and_evaluates_accuracy(tmp_path):
+    """verl's SFT recipe: data.prompt_key=extra_info.question, data.response_key=extra_info.answer; the
+    same dotted keys find the test file's prompts and answers (accuracy) and its completions (held-out loss)."""
+    from grpolab.jobs.sft import run as run_sft
+    rows = [{"extra_info": {"question": f"{a} plus {b}?", "answer": str(a + b)}} for a in range(4) for b in range(2)]
+    f = _write(tmp_path / "train.jsonl", rows)
+    summary = run_sft(load_config(None, [*TINY, "data.task=files", f"data.train_path={f}", f"data.test_path={f}",
+                                         "data.prompt_key=extra_info.question", "data.response_key=extra_info.answer",
+                                         "data.answer_key=extra_info.answer", "sft.steps=2", "sft.batch_size=8",
+                                         f"train.output_dir={tmp_path / 'run'}"]))
+    assert set(summary["after"]) == {"greedy_accuracy", "pass@1", "loss"}
+    # 8 rows a step, each learning its answer's characters and the stop token
+    assert [m["tokens"] for m in _metrics(tmp_path / "run")] == [sum(len(r["extra_info"]["answer"]) + 1
+                                                                     for r in rows)] * 2

@@ -90,6 +90,13 @@ def sft_rows(records: list[dict], *, prompt_key: str = "prompt", response_key: s
     return out
 
 
+def has_sft_target(r: object, response_key: str) -> bool:
+    """Whether a row carries something SFT learns (a completion, an assistant turn, a text): a held-out file
+    of prompts and answers only has none, and gives no held-out loss."""
+    return isinstance(r, dict) and (has(r, response_key) or MESSAGES_KEY in r or is_sharegpt(r) or TEXT_KEY in r
+                                    or (is_alpaca(r) and "output" in r))
+
+
 def _other_format(r: dict, where: str, prompt_key: str, response_key: str) -> dict:
     """An SFT row from a row without prompt/completion columns: messages, sharegpt, alpaca or text."""
     if MESSAGES_KEY in r:

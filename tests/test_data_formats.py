@@ -172,6 +172,10 @@ def test_csv_cells_stay_text(tmp_path):
     f.write_text('prompt,answer\n"Add 1, 2 and\nthree",006\nplain,-1.50\n')
     assert read_records(str(f)) == [{"prompt": "Add 1, 2 and\nthree", "answer": "006"},
                                     {"prompt": "plain", "answer": "-1.50"}]
+    f.write_text("prompt,answer\na,1\nb,2,3\n")
+    with pytest.raises(DataError, match=r"d\.csv: not a readable CSV file \(ArrowInvalid: CSV parse error: Expected 2 "
+                                        r"columns, got 3: b,2,3\); the first line names the columns"):
+        read_records(str(f))
     (tmp_path / "split").mkdir()
     (tmp_path / "split" / "train.csv").write_text("instruction,input,output\nSay hi,,hi\n")
     assert sft_rows(read_records(str(tmp_path / "split"), "train"))[0]["messages"][0] == \

@@ -86,8 +86,8 @@ def _read_csv(path: Path) -> list[dict]:
         table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
             column_types={n: pa.string() for n in names}))
     except (pa.ArrowInvalid, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not a readable CSV file ({_one_line(e)}); the first line must name the columns"
-                        ) from None
+        raise DataError(f"{path}: not a readable CSV file ({_one_line(e)}); the first line names the "
+                        "columns and every row needs one cell per column") from None
     return table.to_pylist()
 
 

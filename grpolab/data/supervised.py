@@ -1,13 +1,16 @@
 """Supervised examples (SFT, distillation): rows -> token ids and a loss mask.
 
-Two row formats, TRL's and verl's:
-- prompt + completion: `prompt` (text or {role, content} messages) and `completion` (text, or a
-  list of assistant messages); the column names are data.prompt_key / data.response_key.
+Row formats (data/formats.py lists them for error messages):
+- prompt + completion (TRL's, verl's): `prompt` (text or {role, content} messages) and `completion`
+  (text, or a list of assistant messages); the column names are data.prompt_key / data.response_key,
+  dotted keys reaching into nested columns.
 - conversation: `messages`, a list of {role, content}; every assistant turn is trained on.
+- text (TRL's language modelling): `text`, trained on whole (no chat template), then the stop token.
+- LLaMA-Factory's alpaca and sharegpt rows, turned into conversations (data/formats.py).
 
 The loss mask marks the tokens the model learns to produce: the completion (with its stop
-token), or each assistant turn as the chat template renders it; never the prompt, the other
-turns or padding.
+token), each assistant turn as the chat template renders it, or all of a text row; never the
+prompt, the other turns or padding.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ import torch
 
 from ..errors import DataError
 from ..utils.padding import pad_sequences
+from .formats import (
+    MISSING,
+    SFT_FORMATS,
+    TEXT_KEY,
+    alpaca_sft,
+    dig,
+    formats_hint,
+    has,
+    is_alpaca,
+    is_sharegpt,
+    sharegpt_sft,
+)
 from .loading import _preview, check_roles
 from .messages import canonical_role
 
@@ -44,7 +59,9 @@ def _messages(value: object, where: str, what: str) -> list[dict]:
 def sft_rows(records: list[dict], *, prompt_key: str = "prompt", response_key: str = "completion",
              source: str = "") -> list[dict]:
     """Rows as {'messages': [...], 'train_from': i} (conversational: assistant turns from message i on are
-    trained) or {'prompt': str, 'completion': str}; a clear DataError naming the row otherwise."""
+    trained), {'prompt': str, 'completion': str} or {'text': str}; a clear DataError naming the row otherwise.
+    The format is read from each row's columns, in this order: prompt/completion, messages, sharegpt,
+    alpaca, text."""
     where0 = f"{source}: " if source else ""
     if not records:
         raise DataError(f"{where0}dataset is empty; check the file and the split")
@@ -53,18 +70,14 @@ def sft_rows(records: list[dict], *, prompt_key: str = "prompt", response_key: s
         where = f"{where0}row {i}"
         if not isinstance(r, dict):
             raise DataError(f"{where}: expected an object with columns, got {_preview(r)}")
-        if prompt_key not in r and MESSAGES_KEY in r:
-            msgs = _messages(r[MESSAGES_KEY], where, f"column {MESSAGES_KEY!r}")
-            if not any(m["role"] == "assistant" for m in msgs):
-                raise DataError(f"{where}: conversation has no assistant turn to train on")
-            out.append({"messages": msgs, "train_from": 0})
+        if not has(r, prompt_key) and not has(r, response_key):
+            out.append(_other_format(r, where, prompt_key, response_key))
             continue
-        missing = [k for k in (prompt_key, response_key) if k not in r]
+        prompt, completion = dig(r, prompt_key), dig(r, response_key)
+        missing = [k for k, v in ((prompt_key, prompt), (response_key, completion)) if v is MISSING]
         if missing:
             raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} column; columns are {sorted(r)}; "
-                            f"give prompt/completion columns (data.prompt_key, data.response_key) or "
-                            f"{MESSAGES_KEY!r} conversations")
-        prompt, completion = r[prompt_key], r[response_key]
+                            f"{formats_hint(SFT_FORMATS, 'SFT')}")
         if isinstance(completion, (int, float)) and not isinstance(completion, bool):
             completion = str(completion)
         if isinstance(completion, str) and not completion.strip():
@@ -75,6 +88,33 @@ def sft_rows(records: list[dict], *, prompt_key: str = "prompt", response_key: s
                               completion if isinstance(completion, str) else
                               _messages(completion, where, repr(response_key))))
     return out
+
+
+def has_sft_target(r: object, response_key: str) -> bool:
+    """Whether a row carries something SFT learns (a completion, an assistant turn, a text): a held-out file
+    of prompts and answers only has none, and gives no held-out loss."""
+    return isinstance(r, dict) and (has(r, response_key) or MESSAGES_KEY in r or is_sharegpt(r) or TEXT_KEY in r
+                                    or (is_alpaca(r) and "output" in r))
+
+
+def _other_format(r: dict, where: str, prompt_key: str, response_key: str) -> dict:
+    """An SFT row from a row without prompt/completion columns: messages, sharegpt, alpaca or text."""
+    if MESSAGES_KEY in r:
+        msgs = _messages(r[MESSAGES_KEY], where, f"column {MESSAGES_KEY!r}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: conversation has no assistant turn to train on")
+        return {"messages": msgs, "train_from": 0}
+    if is_sharegpt(r):
+        return sharegpt_sft(r, where)
+    if is_alpaca(r):
+        return alpaca_sft(r, where)
+    if TEXT_KEY in r:
+        text = r[TEXT_KEY]
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{where}: {TEXT_KEY!r} must be non-empty text, got {_preview(text)}")
+        return {TEXT_KEY: text}
+    raise DataError(f"{where}: no {prompt_key!r} or {response_key!r} column; columns are {sorted(r)}; "
+                    f"{formats_hint(SFT_FORMATS, 'SFT')}")
 
 
 def as_sft_row(prompt: str | list[dict], completion: str | list[dict]) -> dict:
@@ -97,6 +137,10 @@ def encode(tokenizer, row: dict) -> Example:
     if "messages" in row:
         ids, loss = tokenizer.render_conversation(row["messages"], train_from=row.get("train_from", 0))
         return Example(list(ids), list(loss))
+    if TEXT_KEY in row:   # the text as it is, then the stop token (TRL appends EOS too); BOS where the model has one
+        bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+        ids = bos + list(tokenizer.encode(row[TEXT_KEY])) + [tokenizer.eos_id]
+        return Example(ids, [False] * len(bos) + [True] * (len(ids) - len(bos)))
     p = tokenizer.render_prompt(row["prompt"])
     c = tokenizer.render_completion(row["completion"])
     # what a tool wrote (<|out|>...<|/out|> in built-in completions) is context, not a target

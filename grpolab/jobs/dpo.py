@@ -17,7 +17,9 @@ def read_pairs(cfg: Config, path: str | None) -> list[dict]:
     if not path:
         raise ConfigError("dpo.pairs: give the preference rows (prompt, chosen, rejected), e.g. the file "
                           "`grpolab sample CHECKPOINT --pairs --out pairs.jsonl` writes")
-    return preference_rows(read_records(path, cfg.data.train_split, cfg.data.dataset_config), source=path)
+    d = cfg.data
+    return preference_rows(read_records(path, d.train_split, d.dataset_config), source=path, prompt_key=d.prompt_key,
+                           chosen_key=d.chosen_key, rejected_key=d.rejected_key)
 
 
 def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:

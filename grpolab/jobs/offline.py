@@ -8,8 +8,9 @@ from pathlib import Path
 
 from .. import distributed
 from ..config import Config
+from ..data.formats import has
 from ..data.loading import normalize_rows, read_records
-from ..data.supervised import MESSAGES_KEY, sft_rows, task_sft_rows
+from ..data.supervised import has_sft_target, sft_rows, task_sft_rows
 from ..errors import ConfigError
 from ..models.checkpoint import find_resume_checkpoint, load_model
 from ..monitor.console import Console
@@ -46,10 +47,10 @@ def task_rows(cfg: Config, console: Console) -> tuple[list[dict], list[dict], st
     opts = dict(prompt_key=d.prompt_key, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix)
     train_records = read_records(d.train_path, d.train_split, d.dataset_config)
     train = normalize_rows(train_records, answer_key=None, source=d.train_path, **opts) \
-        if train_records and all(d.prompt_key in r for r in train_records) else []   # prompts (on-policy distill)
+        if train_records and all(has(r, d.prompt_key) for r in train_records) else []   # prompts (on-policy distill)
     test_src = d.test_path or d.train_path
     records = read_records(test_src, d.test_split, d.dataset_config)
-    if not records or not all(d.prompt_key in r and d.answer_key and d.answer_key in r for r in records):
+    if not records or not all(has(r, d.prompt_key) and has(r, d.answer_key) for r in records):
         return train, [], f"{test_src} rows lack data.prompt_key/data.answer_key columns: no accuracy eval"
     return train, normalize_rows(records, answer_key=d.answer_key, source=test_src, **opts), None
 
@@ -73,7 +74,7 @@ def sft_data(cfg: Config, train_task: list[dict], test_task: list[dict],
         heldout = task_sft_rows(test_task)
     elif d.test_path:   # the held-out file's rows, when they are SFT rows (an RL test file may have no completions)
         records = read_records(d.test_path, d.test_split, d.dataset_config)
-        sft_like = records and all(d.response_key in r or MESSAGES_KEY in r for r in records)
+        sft_like = records and all(has_sft_target(r, d.response_key) for r in records)
         heldout = sft_rows(records, prompt_key=d.prompt_key, response_key=d.response_key,
                            source=d.test_path) if sft_like else []
     else:

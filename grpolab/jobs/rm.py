@@ -44,8 +44,9 @@ def rm_pairs(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def read_preferences(cfg: Config, path: str, margin: bool = False) -> list[dict]:
-    return preference_rows(read_records(path, cfg.data.train_split, cfg.data.dataset_config), source=path,
-                           margin=margin)
+    d = cfg.data
+    return preference_rows(read_records(path, d.train_split, d.dataset_config), source=path, margin=margin,
+                           prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key)
 
 
 def load_rm(cfg: Config, ckpt, console: Console):

@@ -248,7 +248,7 @@ CASES = [
     (HERMES_MARKS, "Let me compute.\n" + HERMES_CALL + "\n",
      "Let me compute.\n\n", [("calculator", {"expression": "12*34"})]),
     (HERMES_MARKS, HERMES_CALL + "\n<tool_call>\n" + '[{"name": "add", "arguments": {"a": 1, "b": 2}}]' +
-     "\n</tool_call>", None, [("calculator", {"expression": "12*34"}), ("add", {"a": 1, "b": 2})]),
+     "\n</tool_call>", "\n", [("calculator", {"expression": "12*34"}), ("add", {"a": 1, "b": 2})]),
     (HERMES_MARKS, "<tool_call>{not json}</tool_call> a < b <tool_", "<tool_call>{not json}</tool_call> a < b <tool_",
      []),
     (HERMES_MARKS, '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',

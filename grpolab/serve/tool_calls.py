@@ -239,17 +239,15 @@ class CallParser:
     """One choice's text, fed as it grows (`feed(text_so_far, done)`), split into events: ("content", str)
     and ("call", Call). A call's text never reaches the content unless it fails to parse (bad JSON,
     arguments that are not an object, a tool the request did not give, never closed): then it is content
-    as written. Text that could still become a call's opening is held back. Whitespace-only content is
-    held until other content follows, so a reply that is only calls has no content (None), streamed or
-    not, and the streamed pieces always join to the whole reply's content."""
+    as written. Text that could still become a call's opening is held back, so the streamed pieces join
+    to the whole reply's content. Whitespace is content too (the built-in model's newline before a call
+    is part of its turn, and goes back into the prompt with the call)."""
 
     def __init__(self, marks: tuple[str, str], tools: dict[str, list[str]]) -> None:
         self.open, self.close = marks
         self.tools = tools
         self.builtin = marks == BUILTIN_MARKS
         self.pos = 0             # chars of the text consumed
-        self.blank = ""          # whitespace content not yet sent
-        self.said = False        # whether any non-whitespace content was sent
         self.n_calls = 0
 
     def _parse(self, raw: str) -> list[Call] | None:
@@ -265,17 +263,10 @@ class CallParser:
             calls.append(Call(c[0], args))
         return calls or None
 
-    def _content(self, text: str, out: list) -> None:
-        if not text:
-            return
-        if not self.said and not text.strip():
-            self.blank += text
-            return
-        if text.strip():
-            out.append(("content", self.blank + text))
-            self.blank, self.said = "", True
-        else:
-            self.blank += text
+    @staticmethod
+    def _content(text: str, out: list) -> None:
+        if text:
+            out.append(("content", text))
 
     def feed(self, text: str, done: bool = False) -> list[tuple[str, object]]:
         out: list = []
@@ -302,9 +293,6 @@ class CallParser:
                 out += [("call", c) for c in calls]
                 self.n_calls += len(calls)
             self.pos = stop + len(self.close)
-        if done and self.said and self.blank:
-            out.append(("content", self.blank))
-            self.blank = ""
         return out
 
 

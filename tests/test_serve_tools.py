@@ -158,6 +158,18 @@ def test_builtin_forced_tool_choice_and_unknown_names(builtin_server):
                                                    tools=[CALC], tool_choice=choice, temperature=0, max_tokens=40)
         assert r.choices[0].finish_reason == "tool_calls"
         assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"expression": "12*34"}
+    # streamed with n=2 and log-probs: every sampled token's log-prob is sent once, each choice ends in its call
+    chunks = list(builtin_server.chat.completions.create(
+        model="gpt", messages=[{"role": "user", "content": Q}], tools=[CALC], temperature=0, max_tokens=40, n=2,
+        stream=True, logprobs=True, stream_options={"include_usage": True}))
+    tokens, finish, names = {0: 0, 1: 0}, {}, {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            tokens[c.index] += len(c.logprobs.content) if c.logprobs else 0
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+            names[c.index] += "".join(t.function.name or "" for t in c.delta.tool_calls or [])
+    assert finish == {0: "tool_calls", 1: "tool_calls"} and names == {0: "calculator", 1: "calculator"}
+    assert tokens == {0: 18, 1: 18} and chunks[-1].usage.completion_tokens == 36   # <|call|>calculator 12*34<|/call|>
     # the model calls "calculator", which this request did not give: the call is content, as written
     schema = {"type": "object", "properties": {"q": {"type": "string"}}}
     other = {"type": "function", "function": {"name": "lookup", "parameters": schema}}

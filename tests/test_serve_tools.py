@@ -5,6 +5,8 @@ answer after its result: the built-in GPT (`<|call|>` format) and a tiny HF Llam
 (Hermes `<tool_call>` format). The parser is also checked alone: streamed token by token or whole, the
 same calls and content."""
 
+import copy
+import importlib.resources
 import json
 import random
 import shutil
@@ -22,7 +24,7 @@ from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.checkpoint import save_checkpoint
 from grpolab.models.hf import HFTokenizer, load_hf
 from grpolab.models.logprobs import token_logprobs
-from grpolab.models.tiny_hf import save_tiny_model
+from grpolab.models.tiny_hf import build_tokenizer, save_tiny_model
 from grpolab.rollout.tool_formats import BuiltinFormat, tool_format
 from grpolab.rollout.tools import CallRecord, load_tools
 from grpolab.serve.api import ChatRequest, Server, create_app
@@ -35,6 +37,14 @@ import fetch_smollm2  # noqa: E402
 CALC = load_tools(["calculator"])["calculator"].schema   # what training's chat template was given
 Q = "What is 12*34?"
 HERMES_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+
+
+def _after_call(model: str, result: str = "408") -> ChatRequest:
+    """The request that sends the calculator's result back after the model's call."""
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12*34"}'}}
+    return ChatRequest(model=model, tools=[CALC], messages=[
+        {"role": "user", "content": Q}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": result}])
 
 
 def _sft(model, rows, steps, lr):
@@ -201,12 +211,7 @@ def test_builtin_prompt_is_the_rollout_layout():
     """The server's prompt for call + result is token for token what a rollout holds at that point."""
     tok = CharTokenizer()
     app = Server(None, tok, "gpt", 128)
-    r = ChatRequest(model="gpt", tools=[CALC], messages=[
-        {"role": "user", "content": Q},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "calculator",
-                                                              "arguments": '{"expression": "12*34"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "408 <|call|>"}])
+    r = _after_call("gpt", "408 <|call|>")
     out = BuiltinFormat(tok).render([CallRecord("calculator", "12*34", "408 <|call|>", False)])
     assert app.chat_prompt(r) == tok.render_prompt(Q) + tok.encode("<|call|>calculator 12*34<|/call|>") + out
 
@@ -232,12 +237,7 @@ def test_hf_prompt_is_the_rollout_layout_and_non_tool_templates_are_refused(hf_m
     d, rollout = hf_model
     batcher, tok, context = load_engine(str(d))
     server = Server(batcher, tok, "llm", context)
-    r = ChatRequest(model="llm", tools=[CALC], messages=[
-        {"role": "user", "content": Q},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "calculator",
-                                                              "arguments": '{"expression": "12*34"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "408"}])
+    r = _after_call("llm")
     assert server.chat_prompt(r) == rollout
     # a template that neither reads tools nor writes ChatML: tools are one 400 naming the field
     plain = tmp_path / "plain"
@@ -252,6 +252,20 @@ def test_hf_prompt_is_the_rollout_layout_and_non_tool_templates_are_refused(hf_m
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="plain", messages=[{"role": "user", "content": Q}], tools=[CALC])
     assert e.value.body["param"] == "tools" and "no tool support" in e.value.body["message"]
+
+
+def test_template_that_renders_tool_calls_itself():
+    """Qwen2.5's own template (as TRL ships it) renders an assistant's `tool_calls` itself: the server hands
+    them over with the arguments as objects, and the prompt after the call and its result is the rollout's."""
+    hf = build_tokenizer()
+    hf.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    train_tok, serve_tok = HFTokenizer(hf), HFTokenizer(copy.deepcopy(hf))
+    fmt = tool_format(train_tok, [CALC], "qwen-template")
+    result = fmt.render([CallRecord("calculator", {"expression": "12*34"}, "408", False)])
+    server = Server(None, serve_tok, "q", 4096)
+    r = _after_call("q")
+    assert server.chat_prompt(r) == train_tok.render_prompt(Q) + train_tok.encode(HERMES_CALL) + [hf.eos_token_id] \
+        + result
 
 
 # ---------------------------------------------------------------- the parser alone
@@ -306,10 +320,8 @@ def test_chatml_template_without_tools_gets_trainings_prelude():
     server = Server(None, serve_tok, "smol", 8192)
     ask = [{"role": "user", "content": Q}]
     assert server.chat_prompt(ChatRequest(model="smol", tools=[CALC], messages=ask)) == prompt
-    after = ChatRequest(model="smol", tools=[CALC], messages=[*ask, {"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12*34"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "408"}])
-    assert server.chat_prompt(after) == prompt + train_tok.encode(HERMES_CALL) + [train_tok.eos_id] + result
+    call = train_tok.encode(HERMES_CALL) + [train_tok.eos_id]
+    assert server.chat_prompt(_after_call("smol")) == prompt + call + result
     # without tools the template renders as SmolLM2's own
     plain = HFTokenizer(AutoTokenizer.from_pretrained(str(d)))
     assert server.chat_prompt(ChatRequest(model="smol", messages=ask)) == plain.render_prompt(ask)

@@ -243,7 +243,8 @@ def test_hf_prompt_is_the_rollout_layout_and_non_tool_templates_are_refused(hf_m
     plain = tmp_path / "plain"
     shutil.copytree(d, plain)
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    cfg["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}"
+                            "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
     (plain / "chat_template.jinja").unlink(missing_ok=True)
     batcher, tok, context = load_engine(str(plain))
@@ -252,6 +253,10 @@ def test_hf_prompt_is_the_rollout_layout_and_non_tool_templates_are_refused(hf_m
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="plain", messages=[{"role": "user", "content": Q}], tools=[CALC])
     assert e.value.body["param"] == "tools" and "no tool support" in e.value.body["message"]
+    # a template that refuses a conversation (its raise_exception): a 400 with its words, not a 500
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="plain", messages=_after_call("plain").messages)
+    assert e.value.body["param"] == "messages" and "no tool role" in e.value.body["message"]
 
 
 def test_template_that_renders_tool_calls_itself():

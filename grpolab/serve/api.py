@@ -216,6 +216,9 @@ class Server:
                                              tools=r.tools if plan.parse else None)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
+        except Exception as e:   # noqa: BLE001 - a chat template's own refusal (jinja's error or raise_exception)
+            raise APIError(f"the model's chat template cannot render these messages ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})", "messages") from None
         return ids + (self.tok.encode(plan.prefix) if plan.prefix else [])
 
     def jobs(self, prompts: list[list[int]], params: SamplingParams, loop: asyncio.AbstractEventLoop,

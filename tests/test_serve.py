@@ -127,7 +127,7 @@ def test_bad_requests_get_openai_errors(client, server):
         assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
     more = {"top_p": dict(top_p=0.0), "n": dict(n=17), "stop": dict(stop=["", "x"]),
-            "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "tools[0].function.name": dict(tools=[{"type": "function", "function": {"parameters": {}}}]),
             "messages[0].content": dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
             "messages[0].role": dict(messages=[{"role": "robot", "content": "hi"}])}
     for param, kw in more.items():

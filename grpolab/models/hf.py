@@ -47,17 +47,18 @@ class HFTokenizer:
         self.vocab_size = len(tokenizer)
         self.tools: list[dict] | None = None   # tool schemas for the chat template (rollout.tools)
 
-    def render_prompt(self, prompt) -> list[int]:
+    def render_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
         """Token ids the model continues from. A list of {role, content} messages goes through the
         chat template with the generation prompt; a string is tokenized as it is (with BOS if the
-        tokenizer adds one). With tools, a string prompt is one user message, since the template is
-        what tells the model its tools."""
-        if self.tools and isinstance(prompt, str):
+        tokenizer adds one). With tools (`tools`, else the tokenizer's own), a string prompt is one user
+        message, since the template is what tells the model its tools."""
+        tools = tools or self.tools
+        if tools and isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
             self._need_template("a prompt is a list of chat messages")
             text = self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
-                                                **({"tools": self.tools} if self.tools else {}))
+                                                **({"tools": tools} if tools else {}))
             return self.tok(text, add_special_tokens=False)["input_ids"]
         return self.tok(prompt)["input_ids"]
 

@@ -38,6 +38,21 @@ def _args(text: str) -> object:
     return text
 
 
+def builtin_call(body: str) -> tuple | ToolCallError:
+    """(name, arguments) of the text between <|call|> and <|/call|>: NAME, a space or newline, ARGUMENTS."""
+    body = body.strip()
+    name, _, rest = body.partition(" ")
+    if "\n" in name:
+        name, _, more = name.partition("\n")
+        rest = more + rest
+    if not name:
+        return ToolCallError("empty call: write <|call|>NAME ARGUMENTS<|/call|>")
+    try:
+        return name, _args(rest)
+    except ToolCallError as e:
+        return e
+
+
 class BuiltinFormat:
     """<|call|>NAME ARGS<|/call|> sampled by the model; <|out|>RESULT<|/out|> written by the engine."""
 
@@ -50,17 +65,7 @@ class BuiltinFormat:
         starts = [i for i, t in enumerate(segment[:-1]) if t == self.tok.call_id]
         if not starts:
             return [ToolCallError("a call was closed but never opened")]
-        body = self.tok.decode(segment[starts[-1] + 1:-1]).strip()
-        name, _, rest = body.partition(" ")
-        if "\n" in name:
-            name, _, more = name.partition("\n")
-            rest = more + rest
-        if not name:
-            return [ToolCallError("empty call: write <|call|>NAME ARGUMENTS<|/call|>")]
-        try:
-            return [(name, _args(rest))]
-        except ToolCallError as e:
-            return [e]
+        return [builtin_call(self.tok.decode(segment[starts[-1] + 1:-1]))]
 
     def render(self, records: list[CallRecord]) -> list[int]:
         text = "\n".join(r.output for r in records)
@@ -86,6 +91,16 @@ def _call(obj) -> tuple | ToolCallError:
         except json.JSONDecodeError as e:
             return ToolCallError(f"the arguments are not valid JSON ({e.msg} at char {e.pos})")
     return obj["name"], args
+
+
+def hermes_calls(block: str) -> list:
+    """The calls of one <tool_call> block's text: (name, arguments) pairs or errors. One JSON object per
+    block (Hermes, Qwen); SmolLM2 was trained to write a JSON list of them in one block."""
+    try:
+        obj = json.loads(block)
+    except json.JSONDecodeError as e:
+        return [ToolCallError(f"the call is not valid JSON ({e.msg} at char {e.pos})")]
+    return [_call(c) for c in (obj if isinstance(obj, list) else [obj])]
 
 
 class HermesFormat:
@@ -152,15 +167,7 @@ class HermesFormat:
             if "<tool_call>" in text:
                 return [ToolCallError("<tool_call> without </tool_call>")]
             return None   # an ordinary end of turn
-        calls = []
-        for b in blocks:
-            try:
-                obj = json.loads(b)
-            except json.JSONDecodeError as e:
-                calls.append(ToolCallError(f"the call is not valid JSON ({e.msg} at char {e.pos})"))
-                continue
-            # one object per block (Hermes, Qwen); SmolLM2 was trained to write a JSON list of them in one block
-            calls.extend(_call(c) for c in (obj if isinstance(obj, list) else [obj]))
+        calls = [c for b in blocks for c in hermes_calls(b)]
         return calls or [ToolCallError("<tool_call>[]</tool_call> names no call")]
 
     def render(self, records: list[CallRecord]) -> list[int]:

@@ -16,6 +16,7 @@ request or a flood cannot hold the server for minutes or grow its memory without
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import threading
@@ -36,6 +37,18 @@ from .batcher import MAX_LOGPROBS, BadSampling, Batcher, Choice, Job, SamplingPa
 from .echo import Echo, completion_choice, echo_chunk, legacy_logprobs
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .tokenize import DetokenizeRequest, TokenizeRequest, encode, raw_ids, token_strs, tokenizer_info
+from .tool_calls import (
+    ToolPlan,
+    ToolRequestError,
+    builtin_prompt,
+    hf_messages,
+    history_calls,
+    is_builtin,
+    new_call_id,
+    parse_reply,
+    plan_tools,
+    tool_support,
+)
 
 # defaults of `grpolab serve --max-rows-per-request` and `--max-waiting` (rows = prompts × n)
 MAX_ROWS_PER_REQUEST = 1024
@@ -79,6 +92,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
 
 
 def _error_body(message: str, param: str | None = None, code: str | None = None,
@@ -164,9 +178,19 @@ class Server:
                 raise APIError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
 
-    def chat_prompt(self, r: ChatRequest) -> list[int]:
-        if r.tools:
-            raise APIError("tool definitions are not supported by this server", "tools")
+    def tool_plan(self, r: ChatRequest) -> ToolPlan:
+        """How the request uses tools (tool_calls.plan_tools); a 400 naming the field when it cannot."""
+        if r.tools and not hasattr(self, "_tool_problem"):   # the template's checks run once, at the first use
+            self._tool_problem = tool_support(self.tok)
+        try:
+            return plan_tools(self.tok, r.tools, r.tool_choice, getattr(self, "_tool_problem", None))
+        except ToolRequestError as e:
+            raise APIError(str(e), e.param) from None
+
+    def chat_prompt(self, r: ChatRequest, plan: ToolPlan | None = None) -> list[int]:
+        """The conversation rendered as training renders it (tools, calls and results included), then the
+        text a forced tool_choice makes the reply start with."""
+        plan = plan or self.tool_plan(r)
         messages = []
         for i, m in enumerate(r.messages):
             role, content = m.get("role"), m.get("content")
@@ -182,11 +206,26 @@ class Server:
             if not isinstance(content, str):
                 raise APIError(f"messages[{i}].content must be a string or a list of text parts",
                                f"messages[{i}].content")
-            messages.append({"role": canonical_role(role), "content": content})
+            messages.append({"role": canonical_role(role), "content": content, "tool_call_id": m.get("tool_call_id"),
+                             "tool_calls": m.get("tool_calls")})
         try:
-            return self.tok.render_prompt(messages)
+            calls, names = history_calls(messages)
+        except ToolRequestError as e:
+            raise APIError(str(e), e.param) from None
+        history = any(calls) or any(n is not None for n in names)
+        try:
+            if is_builtin(self.tok):
+                ids = builtin_prompt(self.tok, messages, calls, plan.tools) if history else \
+                    self.tok.render_prompt(messages)
+            else:
+                ids = self.tok.render_prompt(hf_messages(self.tok, messages, calls, names),
+                                             tools=r.tools if plan.parse else None)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
+        except Exception as e:   # noqa: BLE001 - a chat template's own refusal (jinja's error or raise_exception)
+            raise APIError(f"the model's chat template cannot render these messages ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})", "messages") from None
+        return ids + (self.tok.encode(plan.prefix) if plan.prefix else [])
 
     def jobs(self, prompts: list[list[int]], params: SamplingParams, loop: asyncio.AbstractEventLoop,
              events: asyncio.Queue, stream: bool, prompt_logprobs: int | None = None) -> list[Job]:
@@ -274,10 +313,14 @@ def create_app(server: Server) -> FastAPI:
         start = time.monotonic()
         server._check_model(r.model)
         server.check_rows(1, r.n)
-        prompt = server.chat_prompt(r)
+        plan = server.tool_plan(r)
+        prompt = server.chat_prompt(r, plan)
         top = (r.top_logprobs or 0) if r.logprobs else None
         params = server._params(r, len(prompt), r.max_completion_tokens or r.max_tokens, top)
-        return await _respond(server, r, [prompt], params, chat=True, request=request, start=start)
+        if plan.stop:   # the built-in model's call end: the reply ends at a call, which the client runs
+            params = dataclasses.replace(params, stop=params.stop + plan.stop)
+        return await _respond(server, r, [prompt], params, chat=True, request=request, start=start,
+                              plan=plan if plan.parse else None)
 
     @app.post("/tokenize")
     async def tokenize(r: TokenizeRequest):
@@ -344,7 +387,8 @@ def _echo(tok, r: CompletionRequest, prompts: list[list[int]]) -> Echo:
 
 
 async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                   request: Request, echo: Echo | None = None, start: float | None = None):
+                   request: Request, echo: Echo | None = None, start: float | None = None,
+                   plan: ToolPlan | None = None):
     echo = echo or Echo()
     arrived = time.monotonic() if start is None else start
     loop = asyncio.get_running_loop()
@@ -388,6 +432,13 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                 choice = {"index": k * n + c.index, "finish_reason": c.finish_reason}
                 if chat:
                     choice["logprobs"] = _logprobs(server.tok, c, chat) if params.logprobs is not None else None
+                if chat and plan is not None:   # the reply split into content and tool calls
+                    content, calls = parse_reply(plan.marks, plan.tools, _reply(server.tok, plan, c, c.text))
+                    choice["message"] = {"role": "assistant", "content": content}
+                    if calls:
+                        choice["message"]["tool_calls"] = [x.openai(new_call_id()) for x in calls]
+                        choice["finish_reason"] = _finish(c, True)
+                elif chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
                     choice.update(completion_choice(server.tok, job, c, echo.texts[k] if echo.texts else None,
@@ -400,13 +451,38 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((r.stream_options or {}).get("include_usage"))
 
-    def chunk(index: int, text: str | None, finish: str | None, logprobs=None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, logprobs=None, role: bool = False,
+              delta: dict | None = None) -> str:
         if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return f"data: {json.dumps({**head, 'choices': [body]})}\n\n"
+
+    parsers = {(k, j): plan.parser() for k in range(len(jobs)) for j in range(n)} if plan is not None else {}
+
+    def tool_chunks(k: int, j: int, text: str, done: bool, lp) -> list[str]:
+        """A choice's update with tools: its content and each call as it closes (the call's id, type and
+        name first, then its arguments, as OpenAI streams them); log-probs on the first chunk, the finish
+        reason on the last."""
+        p, c = parsers[(k, j)], jobs[k].choices[j]
+        before = p.n_calls
+        deltas = []
+        for kind, x in p.feed(_reply(server.tok, plan, c, text) if done else plan.prefix + text, done):
+            if kind == "content":
+                deltas.append({"content": x})
+                continue
+            i = before + sum("tool_calls" in d for d in deltas) // 2
+            deltas.append({"tool_calls": [{"index": i, "id": new_call_id(), "type": "function",
+                                           "function": {"name": x.name, "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": x.arguments}}]})
+        if not deltas and (lp is not None or done):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return [chunk(k * n + j, None, _finish(c, p.n_calls > 0) if done and m == last else None,
+                      lp if m == 0 else None, delta=d) for m, d in enumerate(deltas)]
 
     async def stream():
         sent: dict[tuple[int, int], int] = {}
@@ -431,6 +507,10 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                         t0, t1 = lp_sent.get((k, j), 0), min(len(c.logprobs), ntok)
                         lp, lp_sent[(k, j)] = _logprobs(server.tok, c, chat, t0, t1), t1
                     sent[(k, j)] = max(start, end)
+                    if parsers:
+                        for piece in tool_chunks(k, j, text[:max(start, end)], done, lp):
+                            yield piece
+                        continue
                     piece = text[start:end] if end > start else None
                     if echo.texts:   # the prompt (and its scores) leads the choice's first chunk
                         piece, lp = echo_chunk(server.tok, jobs[k], echo, k, (k, j) not in echoed, piece, lp,
@@ -449,6 +529,18 @@ async def _respond(server: Server, r: _Sampling, prompts: list[list[int]], param
                 job.cancel()
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _reply(tok, plan: ToolPlan, c: Choice, text: str) -> str:
+    """A choice's reply as the model wrote it: the forced opening, the text, and the built-in call end the
+    reply stopped at (a stop string, so cut from the text)."""
+    closed = plan.stop and c.finish_reason == "stop" and c.tokens and c.tokens[-1] == getattr(tok, "call_end_id", -1)
+    return plan.prefix + text + (plan.stop[0] if closed else "")
+
+
+def _finish(c: Choice, called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when a reply that ended by itself made calls."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
 
 class RequireKey:

@@ -1,0 +1,62 @@
+"""Per-row logits processors: logit bias, banned tokens, repetition / presence / frequency penalties,
+and a constrained-decoding bitmask. Pure tensor functions over logits (B, V) and per-row settings,
+applied before `sampling.sample_next` (vLLM's order: bias and bans, then penalties, then temperature,
+top-k and top-p). Every one is row-wise, so a row's result never depends on the other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_counts(tokens: list[list[int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(B, V) float32: how often each token occurs in each row's list."""
+    counts = torch.zeros(len(tokens), vocab, device=device)
+    for row, ids in zip(counts, tokens):
+        if ids:
+            row.index_add_(0, torch.tensor(ids, device=device), torch.ones(len(ids), device=device))
+    return counts
+
+
+def add_bias(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """logits + bias, bias (B, V) (OpenAI's logit_bias: 0 for the tokens not named)."""
+    return logits + bias
+
+
+def ban(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """-inf where `banned` (B, V) bool is set (min_tokens: the stop tokens until enough are generated)."""
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def penalize(logits: torch.Tensor, prompt_seen: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+             frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties (vLLM's definitions), per row b and token v:
+
+        seen      = prompt_seen[b, v] or counts[b, v] > 0            (in the prompt or the output so far)
+        l'        = l / repetition[b]  if seen and l > 0
+                    l * repetition[b]  if seen and l <= 0            (CTRL, Keskar et al. 2019; HF's rule)
+                    l                  otherwise
+        l''       = l' - frequency[b] * counts[b, v] - presence[b] * (counts[b, v] > 0)   (OpenAI's formula)
+
+    counts: (B, V) how often each token occurs in the row's output so far (the prompt does not count for
+    presence/frequency); presence, frequency, repetition: (B,). repetition 1 and presence = frequency = 0
+    leave a row as it is.
+    """
+    rep = repetition[:, None]
+    seen = prompt_seen | (counts > 0)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) bool from a packed (B, ceil(V / 32)) int32 bitmask: token v allowed when bit v % 32 of
+    word v // 32 is set (the layout llguidance, xgrammar and outlines-core write)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+
+
+def allow_only(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """-inf outside `allowed` (B, V) bool (a grammar's next-token mask); columns past it are not allowed."""
+    if allowed.size(-1) < logits.size(-1):
+        allowed = torch.nn.functional.pad(allowed, (0, logits.size(-1) - allowed.size(-1)))
+    return logits.masked_fill(~allowed, float("-inf"))

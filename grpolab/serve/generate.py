@@ -27,7 +27,8 @@ from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
 from .engine import load_engine
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "min_tokens", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty")
 OUTPUT_KEYS = ("index", "completions", "finish_reasons", "completion_tokens", "rewards", "scores")
 
 
@@ -43,7 +44,7 @@ def sampling_settings(pairs: list[str]) -> dict:
         if key == "stop":
             if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v)):
                 raise ConfigError(f"stop: {value!r} is not a string or a list of them, e.g. 'stop=[\"\\n\\n\"]'")
-        elif key in ("max_tokens", "top_k", "seed"):
+        elif key in ("max_tokens", "top_k", "seed", "min_tokens"):
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{key}: {value!r} is not an integer")
         elif not isinstance(v, (int, float)) or isinstance(v, bool):

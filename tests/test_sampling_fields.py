@@ -17,10 +17,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from grpolab.errors import ConfigError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout import logits_processors as lp
 from grpolab.serve.api import Server, create_app
 from grpolab.serve.batcher import Batcher, Job, SamplingParams
+from grpolab.serve.generate import sampling_params, sampling_settings
 
 TOK = CharTokenizer()
 PROMPT = "Tom has 3 apples and buys 4 more. "
@@ -292,3 +294,13 @@ def test_unimplemented_and_bad_fields_get_a_400_naming_them(client):
     r = client.chat.completions.create(**base, user="u", metadata={"a": "b"}, store=False, n=2,
                                        extra_body={"best_of": 2, "service_tier": "auto"})
     assert len(r.choices) == 2
+
+
+def test_generate_takes_min_tokens_and_the_penalties():
+    got = sampling_settings(["min_tokens=3", "presence_penalty=0.5", "frequency_penalty=-1", "repetition_penalty=1.2"])
+    p = sampling_params(got, max_tokens=10, n=1)
+    assert (p.min_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (3, 0.5, -1, 1.2)
+    for bad, field in (("presence_penalty=3", "presence_penalty"), ("min_tokens=1.5", "min_tokens"),
+                       ("repetition_penalty=0", "repetition_penalty")):
+        with pytest.raises(ConfigError, match=field):
+            sampling_settings([bad])

@@ -51,7 +51,7 @@ def sampling_settings(pairs: list[str]) -> dict:
             raise ConfigError(f"{key}: {value!r} is not a number")
         out[key] = v
     try:   # the ranges, checked where the server checks them, before any model is loaded
-        sampling_params(out, out.get("max_tokens", 1), 1)
+        sampling_params(out, out.get("max_tokens") or max(1, out.get("min_tokens", 0)), 1)
     except BadSampling as e:
         raise ConfigError(f"{e.param}: {e}") from None
     return out
@@ -148,6 +148,10 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
         if room < 1 or max_tokens > room:
             raise DataError(f"{in_path}: row index {i}: the prompt is {len(ids)} tokens; with max_tokens {max_tokens} "
                             f"that exceeds the model's context of {context} tokens")
+        if settings.get("min_tokens", 0) > max_tokens:
+            raise DataError(f"{in_path}: row index {i}: the prompt is {len(ids)} tokens, which leaves {room} of the "
+                            f"model's context of {context} for the completion, fewer than min_tokens "
+                            f"{settings['min_tokens']}")
         jobs[i] = Job(ids, sampling_params(settings, max_tokens, n),
                       lambda job, choice, i=i: job.done and finished.append(i), draw=i)
     console.info(f"generate: {len(todo)} rows to do ({len(done)} already in {out_path}), n={n}, "

@@ -14,7 +14,12 @@ For llguidance, xgrammar and outlines-core (the three vLLM 0.32 depends on), on 
                grpolab.rollout.logits_processors), accept the chosen token (mean, p50, p99, max over every token of
                the `--reps` - 1 later walks, each with a fresh matcher; the same token ids for all three)
 
-Prints one JSON line per library and writes them all to bench/results/structured_output.json.
+With --e2e, also the server's engine on SmolLM2 itself (grpolab.serve.batcher, 2 threads): milliseconds
+per decode step of 8 rows x 48 tokens (a chat prompt, temperature 1, seeded), whole and in the logits
+processors alone, plain, with the three penalties, with json_object and with the JSON schema, alternating
+modes over `--rounds` (medians).
+
+Prints one JSON line per library (and per e2e mode) and writes them all to bench/results/structured_output.json.
 Single-threaded mask computation on whatever CPU runs it; compare numbers from the same run.
 """
 
@@ -167,10 +172,54 @@ def _stats(walks: list[list[float]], masks: list[float]) -> dict:
             "mask_us_mean": statistics.fmean(masks) * 1e6, "mask_us_p99": sorted(masks)[int(len(masks) * 0.99)] * 1e6}
 
 
+def e2e(model: str, rounds: int) -> list[dict]:
+    """Per decode step: the whole step and the logits processors alone (Batcher._processed: penalties,
+    bias, the grammar's masks), medians over the rounds."""
+    from grpolab.rollout.structured import Constraint
+    from grpolab.serve.batcher import Job, SamplingParams
+    from grpolab.serve.engine import load_engine
+
+    torch.set_num_threads(2)
+    batcher, tok, _ = load_engine(model, max_batch=8)
+    spent = [0.0]
+    processed = batcher._processed
+
+    def timed():   # the processors' share of each step, measured inside the real decode
+        t0 = time.perf_counter()
+        out = processed()
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    batcher._processed = timed
+    ids = tok.render_prompt([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
+    base = dict(max_tokens=48, temperature=1.0, n=8, seed=0)
+    modes = {"plain": {}, "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
+             "json_object": dict(constraint=Constraint("json_object")),
+             "json_schema": dict(constraint=Constraint("json", json.dumps(SCHEMA)))}
+    runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    for r in range(rounds + 1):   # round 0 warms up (and builds llguidance's vocabulary)
+        for name, extra in modes.items():
+            job = Job(ids, SamplingParams(**base, **extra))
+            steps0, spent[0] = batcher.steps, 0.0
+            t0 = time.perf_counter()
+            batcher.submit(job)
+            while not batcher.idle():
+                batcher.step()
+            steps = batcher.steps - steps0
+            if r:
+                runs[name].append(((time.perf_counter() - t0) / steps, spent[0] / steps))
+    return [{"e2e": name, "step_ms_median": statistics.median(a for a, _ in v) * 1e3,
+             "processors_ms_median": statistics.median(b for _, b in v) * 1e3, "rows": 8, "threads": 2}
+            for name, v in runs.items()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--e2e", action="store_true", help="also time the server's engine on --model")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only-e2e", action="store_true", help="skip the three libraries (the e2e part only)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "structured_output.json"))
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -178,8 +227,9 @@ def main() -> None:
     V = len(hf)
     ids = hf(json.dumps(INSTANCE), add_special_tokens=False)["input_ids"]
     results = []
-    for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar),
-                     ("outlines_core", bench_outlines_core)):
+    libraries = () if a.only_e2e else (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar),
+                                       ("outlines_core", bench_outlines_core))
+    for name, fn in libraries:
         try:
             r = {"library": name, **fn(hf, V, ids, a.reps)}
         except Exception as e:   # one library failing is itself a result
@@ -187,6 +237,10 @@ def main() -> None:
         r.update(vocab=V, instance_tokens=len(ids), cpu=platform.processor() or platform.machine(), torch_threads=1)
         print(json.dumps(r), flush=True)
         results.append(r)
+    if a.e2e or a.only_e2e:
+        for r in e2e(a.model, a.rounds):
+            print(json.dumps(r), flush=True)
+            results.append(r)
     Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
 
 

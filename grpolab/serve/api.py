@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..data.messages import canonical_role, role_problem
+from ..rollout.structured import BadConstraint, Constraint
 from .batcher import MAX_LOGPROBS, BadSampling, Batcher, Choice, Job, SamplingParams, held_back
 from .echo import Echo, completion_choice, echo_chunk, legacy_logprobs
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
@@ -65,8 +66,9 @@ class APIError(Exception):
 
 
 class _Sampling(BaseModel):
-    """Settings both endpoints take (unknown fields are accepted and ignored, as vLLM does)."""
-    model_config = ConfigDict(extra="allow")
+    """Settings both endpoints take. A field not declared here is refused (a 400 naming it) rather than
+    silently ignored; the declared ones are implemented, or harmless to ignore (`user`, `metadata`, ...)."""
+    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -77,6 +79,24 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: dict | None = None    # {"include_usage": true}: a last chunk with usage
+    # logits processors (grpolab/rollout/logits_processors.py; docs/serving.md)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0       # vLLM's extensions from here
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    best_of: int | None = None            # only None or n (vLLM 0.32 dropped it too); see Server._params
+    # structured output: OpenAI's response_format or vLLM's structured_outputs (one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # accepted and ignored: they change nothing about the completion
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -93,11 +113,56 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _error_body(message: str, param: str | None = None, code: str | None = None,
                 kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# vLLM's structured_outputs keys: one constraint, plus the one option implemented here
+_STRUCTURED = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _constraint(r: _Sampling) -> tuple[Constraint | None, str]:
+    """The request's structured-output constraint and the field it came from (APIError when malformed)."""
+    if r.response_format is not None and r.structured_outputs is not None:
+        raise APIError("give response_format or structured_outputs, not both", "structured_outputs")
+    if r.response_format is not None:
+        f, param = r.response_format, "response_format"
+        kind = f.get("type")
+        if kind == "text":
+            return None, param
+        if kind == "json_object":
+            return Constraint("json_object"), param
+        if kind == "json_schema":
+            schema = (f.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError('response_format: type "json_schema" needs {"json_schema": {"name": ..., "schema": '
+                               '{...}}} with the schema an object', param)
+            return Constraint("json", json.dumps(schema)), param
+        raise APIError(f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}', param)
+    if r.structured_outputs is None:
+        return None, ""
+    s, param = dict(r.structured_outputs), "structured_outputs"
+    any_whitespace = not s.pop("disable_any_whitespace", False)
+    given = [k for k in s if s[k] not in (None, False)]
+    unknown = [k for k in given if k not in _STRUCTURED]
+    if unknown:
+        raise APIError(f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(_STRUCTURED)} "
+                       f"(and disable_any_whitespace)", f"structured_outputs.{unknown[0]}")
+    if len(given) != 1:
+        raise APIError(f"structured_outputs needs exactly one of {', '.join(_STRUCTURED)}, got {given or 'none'}",
+                       param)
+    kind, spec = given[0], s[given[0]]
+    if kind == "json_object":
+        return Constraint("json_object", any_whitespace=any_whitespace), param
+    if kind in ("json", "choice") and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    if not isinstance(spec, str):
+        raise APIError(f"structured_outputs.{kind} must be a string", f"structured_outputs.{kind}")
+    return Constraint(kind, spec, any_whitespace), param
 
 
 class Server:
@@ -151,9 +216,29 @@ class Server:
                            f"leaves {room} for the completion, but max_tokens is {max_tokens}", "max_tokens")
         if r.n > self.batcher.max_batch:
             raise APIError(f"n must be between 1 and the server's max batch ({self.batcher.max_batch}), got {r.n}", "n")
+        if r.best_of is not None and r.best_of != r.n:
+            raise APIError(f"best_of is not supported (only best_of = n, here {r.n}): sample n completions with "
+                           f"logprobs and rank them yourself (vLLM 0.32 dropped best_of too)", "best_of")
+        vocab = self.tok.vocab_size
+        bias = {}
+        for key, value in (r.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise APIError(f"logit_bias: key {key!r} is not a token id in [0, {vocab})", "logit_bias")
+            bias[int(key)] = value
+        if any(not 0 <= t < vocab for t in r.stop_token_ids or ()):
+            raise APIError(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+        constraint, param = _constraint(r)
+        if constraint is not None:
+            try:
+                self.batcher.grammars.compile(constraint)
+            except BadConstraint as e:
+                raise APIError(f"{param}: {e}", param) from None
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  n=r.n, stop=r.stop, seed=r.seed, logprobs=logprobs)
+                                  n=r.n, stop=r.stop, seed=r.seed, logprobs=logprobs, logit_bias=bias,
+                                  stop_token_ids=tuple(r.stop_token_ids or ()), min_tokens=r.min_tokens,
+                                  presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                                  repetition_penalty=r.repetition_penalty, constraint=constraint)
         except BadSampling as e:
             raise APIError(str(e), e.param) from None
 
@@ -275,6 +360,9 @@ def create_app(server: Server) -> FastAPI:
         if first.get("type") == "json_invalid":
             why = first.get("ctx", {}).get("error", "parse error")
             msg, param = f"the request body is not valid JSON ({why})", None
+        elif first.get("type") == "extra_forbidden":   # a field we do not implement: refused, never ignored
+            param = ".".join(loc) or None
+            msg = f"{param}: not supported by this server; remove it (docs/serving.md lists the fields it takes)"
         else:
             param = ".".join(loc) or None
             msg = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))

@@ -27,8 +27,10 @@ from typing import Callable
 
 import torch
 
+from ..rollout import logits_processors as lp
 from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
+from ..rollout.structured import Constraint, Grammars
 from ..utils.padding import pad_sequences
 from . import frame
 from .prompt_logprobs import PromptLogprob, prompt_logprobs
@@ -65,10 +67,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()    # a string or a list is taken too
     seed: int | None = None
     logprobs: int | None = None   # with log-probs: how many top alternatives per token (0: the chosen only)
+    # logits processors (rollout/logits_processors.py), vLLM's semantics; the defaults leave the logits alone
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is taken too
+    stop_token_ids: tuple[int, ...] = ()   # end a choice at any of these (besides the tokenizer's stop tokens)
+    min_tokens: int = 0                    # stop tokens are banned until this many tokens are generated
+    presence_penalty: float = 0.0          # [-2, 2]: subtracted once from every token already generated
+    frequency_penalty: float = 0.0         # [-2, 2]: subtracted per occurrence in the output so far
+    repetition_penalty: float = 1.0        # > 0: tokens of the prompt or the output, divided (>0) / multiplied (<0)
+    constraint: Constraint | None = None   # structured output (rollout/structured.py)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        penalty = "must be a finite number in [-2, 2]"
         checks = (
             ("max_tokens", self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             # inf and nan are refused too (JSON's 1e999 parses as inf): a comparison alone lets inf through
@@ -79,13 +93,33 @@ class SamplingParams:
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
-            ("stop", all(stop), "stop strings must not be empty"))
+            ("stop", all(stop), "stop strings must not be empty"),
+            ("logit_bias", all(t >= 0 and math.isfinite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids (>= 0) to biases in [-100, 100]"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids (>= 0)"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"),
+            ("presence_penalty", math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty {penalty}, got {self.presence_penalty}"),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty {penalty}, got {self.frequency_penalty}"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty}"))
         for param, ok, message in checks:
             if not ok:
                 raise BadSampling(param, message)
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor applies (rows without one are sampled from the model's logits as they are)."""
+        return bool(self.logit_bias or self.min_tokens or self.penalized or self.constraint)
 
     @property
     def group(self) -> tuple:
@@ -127,6 +161,7 @@ class Job:
         else:
             keys = [secrets.randbits(32) for _ in range(params.n)]
         self.choices = [Choice(index=j, key=k) for j, k in enumerate(keys)]
+        self.matchers: list | None = None   # structured output: one grammar matcher per choice (the batcher's)
         self.cancelled = False
         self.error: str | None = None
 
@@ -145,6 +180,7 @@ class Batcher:
         self.max_batch, self.context = max_batch, context
         self.decoder = decoder
         self.stop_ids = set(tok.stop_ids)
+        self.grammars = Grammars(tok)   # structured output's compiled constraints, for this tokenizer
         self.device = next(model.parameters()).device
         self.pending: queue.Queue[Job] = queue.Queue()
         self._head: Job | None = None   # a job taken from the queue that did not fit yet
@@ -328,22 +364,72 @@ class Batcher:
         width = max(len(job.prompt_ids), *(len(j.prompt_ids) for j in new))
         return job.prompt_logprobs is None or (len(new) + 1) * width * self.tok.vocab_size <= PROMPT_LOGITS
 
+    def _processed(self) -> torch.Tensor:
+        """The logits to sample from: the model's, with each row's logits processors applied to the rows
+        that ask for any (vLLM's order: grammar mask, bias, min_tokens' ban, penalties). Every processor
+        is row-wise, so a row's result does not depend on the other rows; rows without one are untouched."""
+        want = [i for i, (job, c) in enumerate(self.rows) if job.params.processed and not c.done]
+        if not want:
+            return self.logits
+        V = self.logits.size(-1)
+        at = torch.tensor(want, device=self.device)
+        rows = [self.rows[i] for i in want]
+        x = self.logits[at]
+        grammar = [n for n, (job, _) in enumerate(rows) if job.params.constraint is not None]
+        allowed = None
+        if grammar:
+            for job, _ in rows:
+                if job.params.constraint is not None and job.matchers is None:
+                    job.matchers = [self.grammars.matcher(job.params.constraint) for _ in job.choices]
+            allowed = torch.ones(len(rows), V, dtype=torch.bool, device=self.device)
+            allowed[grammar] = self.grammars.masks([rows[n][0].matchers[rows[n][1].index] for n in grammar],
+                                                   V).to(self.device)
+            x = lp.allow_only(x, allowed)
+        if any(job.params.logit_bias for job, _ in rows):
+            bias = torch.zeros(len(rows), V, device=self.device)
+            for n, (job, _) in enumerate(rows):
+                for t, b in job.params.logit_bias:
+                    if t < V:
+                        bias[n, t] = b
+            x = lp.add_bias(x, bias)
+        early = [n for n, (job, c) in enumerate(rows) if len(c.tokens) < job.params.min_tokens]
+        if early:
+            banned = torch.zeros(len(rows), V, dtype=torch.bool, device=self.device)
+            for n in early:
+                job = rows[n][0]
+                banned[n, [t for t in self.stop_ids.union(job.params.stop_token_ids) if t < V]] = True
+            if allowed is not None:   # a grammar that allows only stop tokens wins (vLLM's rule, too)
+                banned &= (allowed & ~banned).any(-1, keepdim=True)
+            x = lp.ban(x, banned)
+        if any(job.params.penalized for job, _ in rows):
+            counts = lp.token_counts([c.tokens for _, c in rows], V, self.device)
+            prompt_seen = lp.token_counts([job.prompt_ids if job.params.repetition_penalty != 1 else []
+                                           for job, _ in rows], V, self.device) > 0
+            per_row = [(job.params.presence_penalty, job.params.frequency_penalty, job.params.repetition_penalty)
+                       for job, _ in rows]
+            presence, frequency, repetition = torch.tensor(per_row, device=self.device).T
+            x = lp.penalize(x, prompt_seen, counts, presence, frequency, repetition)
+        logits = self.logits.clone()
+        logits[at] = x
+        return logits
+
     def _sample(self) -> torch.Tensor:
         """One token per row: each group of rows with the same settings in one call, with keyed uniforms."""
         keys = torch.tensor([c.key for _, c in self.rows], dtype=torch.long)
         ts = torch.tensor([len(c.tokens) for _, c in self.rows], dtype=torch.long)
         u = token_uniforms(keys, ts)
+        logits = self._processed()
         groups: dict[tuple, list[int]] = {}
         for i, (job, _) in enumerate(self.rows):
             groups.setdefault(job.params.group, []).append(i)
         if len(groups) == 1:
             (temperature, top_k, top_p), = groups
-            tokens, _ = sample_next(self.logits, temperature, top_k, top_p, None, u)
+            tokens, _ = sample_next(logits, temperature, top_k, top_p, None, u)
         else:
             tokens = torch.empty(len(self.rows), dtype=torch.long, device=self.device)
             for (temperature, top_k, top_p), idx in groups.items():
                 at = torch.tensor(idx, device=self.device)
-                tokens[at] = sample_next(self.logits[at], temperature, top_k, top_p, None, u[idx])[0]
+                tokens[at] = sample_next(logits[at], temperature, top_k, top_p, None, u[idx])[0]
         want = [i for i, (job, c) in enumerate(self.rows) if job.params.logprobs is not None and not c.done]
         if want:
             at = torch.tensor(want, device=self.device)
@@ -361,7 +447,16 @@ class Batcher:
     def _record(self, job: Job, choice: Choice, token: int) -> None:
         """Append a token; end the choice at a stop token, a stop string or max_tokens."""
         choice.tokens.append(token)
-        finish = "stop" if token in self.stop_ids else "length" if len(choice.tokens) >= job.params.max_tokens else None
+        stopped = token in self.stop_ids or token in job.params.stop_token_ids
+        matcher = job.matchers[choice.index] if job.matchers is not None else None
+        if matcher is not None and not stopped and not matcher.consume_token(token):
+            # cannot happen while the mask holds; if it does, this request fails alone (a 500), not the batch
+            job.error = f"structured output: the grammar refused token {token}: {matcher.get_error()}"
+            job.cancel()
+            if job.on_update is not None:
+                job.on_update(job, choice)
+            return
+        finish = "stop" if stopped else "length" if len(choice.tokens) >= job.params.max_tokens else None
         # the text is decoded only when something reads it: a stream, stop strings, or the end
         if job.live or job.params.stop or finish:
             text = self.tok.decode(choice.tokens[:-1] if finish == "stop" else choice.tokens)

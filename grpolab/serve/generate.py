@@ -27,7 +27,8 @@ from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
 from .engine import load_engine
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "min_tokens", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty")
 OUTPUT_KEYS = ("index", "completions", "finish_reasons", "completion_tokens", "rewards", "scores")
 
 
@@ -43,14 +44,14 @@ def sampling_settings(pairs: list[str]) -> dict:
         if key == "stop":
             if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(x, str) for x in v)):
                 raise ConfigError(f"stop: {value!r} is not a string or a list of them, e.g. 'stop=[\"\\n\\n\"]'")
-        elif key in ("max_tokens", "top_k", "seed"):
+        elif key in ("max_tokens", "top_k", "seed", "min_tokens"):
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ConfigError(f"{key}: {value!r} is not an integer")
         elif not isinstance(v, (int, float)) or isinstance(v, bool):
             raise ConfigError(f"{key}: {value!r} is not a number")
         out[key] = v
     try:   # the ranges, checked where the server checks them, before any model is loaded
-        sampling_params(out, out.get("max_tokens", 1), 1)
+        sampling_params(out, out.get("max_tokens") or max(1, out.get("min_tokens", 0)), 1)
     except BadSampling as e:
         raise ConfigError(f"{e.param}: {e}") from None
     return out
@@ -147,6 +148,10 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
         if room < 1 or max_tokens > room:
             raise DataError(f"{in_path}: row index {i}: the prompt is {len(ids)} tokens; with max_tokens {max_tokens} "
                             f"that exceeds the model's context of {context} tokens")
+        if settings.get("min_tokens", 0) > max_tokens:
+            raise DataError(f"{in_path}: row index {i}: the prompt is {len(ids)} tokens, which leaves {room} of the "
+                            f"model's context of {context} for the completion, fewer than min_tokens "
+                            f"{settings['min_tokens']}")
         jobs[i] = Job(ids, sampling_params(settings, max_tokens, n),
                       lambda job, choice, i=i: job.done and finished.append(i), draw=i)
     console.info(f"generate: {len(todo)} rows to do ({len(done)} already in {out_path}), n={n}, "

@@ -20,9 +20,10 @@ from fastapi.testclient import TestClient
 from grpolab.errors import ConfigError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout import logits_processors as lp
-from grpolab.serve.api import Server, create_app
+from grpolab.serve.api import create_app
 from grpolab.serve.batcher import Batcher, Job, SamplingParams
 from grpolab.serve.generate import sampling_params, sampling_settings
+from grpolab.serve.requests import Server
 
 TOK = CharTokenizer()
 PROMPT = "Tom has 3 apples and buys 4 more. "

@@ -1,5 +1,5 @@
 """Chat messages: the one rule for which roles a message may have, shared by training data
-(data/loading.py, data/supervised.py) and the OpenAI-compatible server (serve/api.py), so a row the
+(data/loading.py, data/supervised.py) and the OpenAI-compatible server (serve/requests.py), so a row the
 trainer accepts is a request the server accepts, and the other way round.
 
 The roles are OpenAI's chat roles: system, developer (OpenAI's newer name for system, rendered as

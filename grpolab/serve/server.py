@@ -12,8 +12,9 @@ import socket
 import sys
 
 from ..errors import ConfigError
-from .api import MAX_ROWS_PER_REQUEST, MAX_WAITING, Server, create_app
+from .api import create_app
 from .engine import load_engine
+from .requests import MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
 
 MAX_PORT = 65535
 

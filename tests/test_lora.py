@@ -103,8 +103,9 @@ def test_lora_run_of_the_gsm8k_tiny_hf_config_resumes_exactly(tmp_path, llama_di
     assert r.returncode == 0, r.stderr[-3000:]
     for steps in (2, 3):
         _train_in_process(*_gsm8k_lora_args(data, llama_dir, parts), f"train.max_steps={steps}", "train.resume=auto")
-    # (eval/*: the CLI logs its final eval with the last step; train() in process runs none)
-    strip = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "perf/", "eval/"))}
+    # (eval/* and watch/*: the CLI logs its final eval with the last step; train() in process runs none)
+    skip = ("time/", "perf/", "eval/", "watch/")
+    strip = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith(skip)}
                        for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert strip(parts) == strip(whole) and len(strip(whole)) == 3
     assert strip(whole)[-1]["kl"] > 0

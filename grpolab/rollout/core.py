@@ -80,7 +80,7 @@ class RowProcessors:
 
     def __init__(self, pen: Penalties, prompts: list[list[int]], num_generations: int, vocab: int,
                  stops: torch.Tensor, device) -> None:
-        self.pen, self.device = pen, device
+        self.pen = pen
         rows = len(prompts) * num_generations
         self.stops = stops[stops < vocab]
         self.counts = torch.zeros(rows, vocab, device=device)
@@ -100,7 +100,9 @@ class RowProcessors:
         if self.pen.penalized:
             full = torch.full((rows.numel(),), 1.0, device=logits.device)
             p = self.pen
-            logits = lp.penalize(logits, self.seen[rows], self.counts[rows], full * p.presence_penalty,
+            every = rows.numel() == self.counts.size(0)   # all B rows still decode: no (R, V) copies
+            seen, counts = (self.seen, self.counts) if every else (self.seen[rows], self.counts[rows])
+            logits = lp.penalize(logits, seen, counts, full * p.presence_penalty,
                                  full * p.frequency_penalty, full * p.repetition_penalty)
         return logits
 

@@ -15,6 +15,9 @@ from grpolab.errors import ConfigError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout.engine import generate
 from grpolab.rollout.keys import completion_keys
+from grpolab.rollout.tool_decode import ToolUse
+from grpolab.rollout.tool_formats import BuiltinFormat
+from grpolab.rollout.tools import ToolRunner, load_tools
 
 TOK = CharTokenizer()
 PROMPTS = ["Tom has 3 apples and buys 4 more. ", "Sum 1+2? "]
@@ -184,3 +187,51 @@ def test_grpo_runs_with_a_penalty_and_defaults_change_nothing(tmp_path):
     # the sampler's log-probs are the penalized ones: they differ from the trainer's policy log-probs,
     # while without a penalty the two agree to float error
     assert pen[0]["rollout/logprob_abs_diff"] > 1e-3 > plain[0]["rollout/logprob_abs_diff"]
+
+
+SCRIPT = "<|call|>calculator 12*34<|/call|><|out|>408<|/out|>=408 so 408"
+
+
+@pytest.fixture(scope="module")
+def caller():
+    """A tiny GPT trained here to write SCRIPT after the prompt 'one' (the tool's output masked out of the
+    loss, as SFT does), so its greedy decode calls the calculator."""
+    from grpolab.data.supervised import collate, encode
+    from grpolab.models.logprobs import token_logprobs
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(TOK.vocab_size, n_layer=1, n_head=2, n_embd=64, block_size=128))
+    b = collate([encode(TOK, {"prompt": "one", "completion": SCRIPT})], TOK.pad_id)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(200):
+        logp = token_logprobs(m, b["ids"], b["valid"])
+        loss = -(logp * b["loss"][:, 1:]).sum() / b["loss"][:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+@pytest.mark.slow
+def test_with_tools_a_tools_output_counts_as_context_like_the_prompt(caller):
+    """Each sampled token of a penalized greedy decode that calls a tool is the argmax of the formula over
+    the sequence so far: the prompt and the tool's output (fed, not sampled) under the repetition penalty
+    only, the sampled tokens under all three."""
+    prompt = TOK.render_prompt("one")
+    tools = ToolUse(BuiltinFormat(TOK), ToolRunner(load_tools(["calculator"]), timeout=5, max_output_chars=50))
+    try:
+        g = generate(caller, [prompt], num_generations=1, max_new_tokens=80, temperature=0.0, stop_ids=TOK.stop_ids,
+                     pad_id=TOK.pad_id, tools=tools, repetition_penalty=1.3, presence_penalty=0.5,
+                     frequency_penalty=0.2)
+    finally:
+        tools.close()
+    assert g.tool_calls[0][0]["output"] == "408"
+    ids = g.completion_ids[0].tolist()
+    sampled, fed = g.completion_mask[0].tolist(), g.tool_mask[0].tolist()
+    for t in range(len(ids)):
+        if sampled[t]:
+            context = prompt + [ids[j] for j in range(t) if fed[j]]
+            out = [ids[j] for j in range(t) if sampled[j]]
+            x = _penalized(context, out, _logits(caller, prompt + ids[:t]), 0.5, 0.2, 1.3)
+            assert max(range(len(x)), key=x.__getitem__) == ids[t]
+            assert g.sampler_logprobs[0, t].item() == pytest.approx(_log_softmax(x)[ids[t]], abs=1e-5)
+    assert sum(sampled) > 10 and sum(fed) > 3

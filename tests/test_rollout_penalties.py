@@ -88,13 +88,13 @@ def test_each_penalty_equals_a_plain_greedy_decode(model, presence, frequency, r
 
 
 class _EosFirst(torch.nn.Module):
-    """The tiny model with +8 on the end token's logit: it ends every completion at once, unless banned."""
+    """The tiny model with `bias` on the end token's logit (8: it ends every completion at once, unless banned)."""
 
-    def __init__(self, m: GPT) -> None:
+    def __init__(self, m: GPT, bias: float = 8.0) -> None:
         super().__init__()
         self.m = m
         self.bias = torch.zeros(TOK.vocab_size)
-        self.bias[TOK.eos_id] = 8.0
+        self.bias[TOK.eos_id] = bias
 
     def forward(self, *a, **k):
         return self.m(*a, **k) + self.bias
@@ -123,15 +123,17 @@ def test_min_tokens_bans_the_stop_token_until_reached(model):
 
 
 def test_penalized_sampling_is_the_same_alone_and_in_a_batch(model):
+    ends = _EosFirst(model, 2.0)   # rows end at different lengths: finished rows leave the decode batch
     prompts = [TOK.encode(p) for p in (*PROMPTS, "A longer third prompt, to pad the others: ")]
     G = 3
     keys = completion_keys(11, torch.arange(3).repeat_interleave(G), torch.arange(G).repeat(3))
     pen = dict(presence_penalty=0.8, frequency_penalty=0.3, repetition_penalty=1.4, min_tokens=5)
     kw = dict(max_new_tokens=24, temperature=1.0, top_k=20, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, **pen)
-    batch = generate(model, prompts, num_generations=G, keys=keys, **kw)
+    batch = generate(ends, prompts, num_generations=G, keys=keys, **kw)
     assert len({tuple(r) for r in batch.completion_ids.tolist()}) == 9
+    assert len(set(batch.completion_mask.sum(-1).tolist())) > 4
     for r in range(9):
-        alone = generate(model, [prompts[r // G]], num_generations=1, keys=keys[r:r + 1], **kw)
+        alone = generate(ends, [prompts[r // G]], num_generations=1, keys=keys[r:r + 1], **kw)
         n = int(alone.completion_mask[0].sum())
         assert n == int(batch.completion_mask[r].sum())
         assert alone.completion_ids[0, :n].tolist() == batch.completion_ids[r, :n].tolist()
@@ -140,7 +142,7 @@ def test_penalized_sampling_is_the_same_alone_and_in_a_batch(model):
     p, out = prompts[0], batch.completion_ids[0][batch.completion_mask[0]].tolist()
     want = []
     for t, tok in enumerate(out):
-        x = _penalized(p, out[:t], _logits(model, p + out[:t]), 0.8, 0.3, 1.4)
+        x = _penalized(p, out[:t], _logits(ends, p + out[:t]), 0.8, 0.3, 1.4)
         x = [-math.inf if i == TOK.eos_id and t < 5 else v for i, v in enumerate(x)]
         want.append(_log_softmax(x)[tok])
     assert batch.sampler_logprobs[0, :len(out)].tolist() == pytest.approx(want, abs=1e-4)

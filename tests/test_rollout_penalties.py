@@ -213,7 +213,6 @@ def caller():
     return m.eval()
 
 
-@pytest.mark.slow
 def test_with_tools_a_tools_output_counts_as_context_like_the_prompt(caller):
     """Each sampled token of a penalized greedy decode that calls a tool is the argmax of the formula over
     the sequence so far: the prompt and the tool's output (fed, not sampled) under the repetition penalty

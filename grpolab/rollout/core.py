@@ -18,9 +18,9 @@ import torch
 
 from ..errors import NonFiniteLogits
 from ..utils.padding import pad_sequences
-from . import logits_processors as lp
 from .generation import Generation
 from .keys import token_uniforms
+from .logits_processors import ban, penalize, token_counts
 from .sampling import sample_next
 
 # prompts are prefilled this many positions at a time: the prefill's attention scores and activations
@@ -86,7 +86,7 @@ class RowProcessors:
         self.counts = torch.zeros(rows, vocab, device=device)
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         if pen.repetition_penalty != 1:   # (the server's rule too: the prompt matters only to this one)
-            self.seen = (lp.token_counts(prompts, vocab, device) > 0).repeat_interleave(num_generations, dim=0)
+            self.seen = (token_counts(prompts, vocab, device) > 0).repeat_interleave(num_generations, dim=0)
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, n_sampled: torch.Tensor) -> torch.Tensor:
         """The logits (R, V) of the batch's `rows` (R,) processed in vLLM's order (min_tokens' ban, then
@@ -96,13 +96,13 @@ class RowProcessors:
         if self.stops.numel() and bool(early.any()):
             banned = torch.zeros_like(logits, dtype=torch.bool)
             banned[:, self.stops] = early[:, None]
-            logits = lp.ban(logits, banned)
+            logits = ban(logits, banned)
         if self.pen.penalized:
             full = torch.full((rows.numel(),), 1.0, device=logits.device)
             p = self.pen
             every = rows.numel() == self.counts.size(0)   # all B rows still decode: no (R, V) copies
             seen, counts = (self.seen, self.counts) if every else (self.seen[rows], self.counts[rows])
-            logits = lp.penalize(logits, seen, counts, full * p.presence_penalty,
+            logits = penalize(logits, seen, counts, full * p.presence_penalty,
                                  full * p.frequency_penalty, full * p.repetition_penalty)
         return logits
 

@@ -215,6 +215,15 @@ class RolloutConfig:
     temperature: float = option(1.0, "sampling temperature (>= 1e-5); log-probs use the same temperature")
     top_k: int = option(0, "0 = off")
     top_p: float = option(1.0, "1.0 = off")
+    repetition_penalty: float = option(1.0, "> 0, 1.0 = off: a token of the prompt, of a tool's output or already "
+                                            "sampled has its logit l divided by it (l > 0) or multiplied (l <= 0) "
+                                            "(vLLM's and TRL GRPOConfig's repetition_penalty). The sampler's log-probs "
+                                            "(TIS/MIS, rollout/logprob_abs_diff) are then the penalized distribution's")
+    presence_penalty: float = option(0.0, "[-2, 2]: l - p * (count > 0), count = the token's times sampled in this "
+                                          "completion (vLLM's presence_penalty; OpenAI's formula; log-probs as above)")
+    frequency_penalty: float = option(0.0, "[-2, 2]: l - f * count (vLLM's frequency_penalty; log-probs as above)")
+    min_tokens: int = option(0, "the stop tokens are banned until a completion has sampled this many tokens, in "
+                                "[0, max_new_tokens] (vLLM's min_tokens)")
     lean_decode: bool = option(True, "HF llama/mistral/qwen2/qwen3 models: sample through grpolab's lean decode path "
                                      "(preallocated KV cache, fused projections, LoRA adapters merged; same logits); "
                                      "false = the model's own forward with its DynamicCache. Other models (and DoRA "

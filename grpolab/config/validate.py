@@ -182,7 +182,8 @@ def _data(cfg: Config) -> None:
 
 def _rollout(cfg: Config) -> None:
     """rollout.* sampling: prompts and a group of >= 2 completions per step, a length cap, a
-    temperature that cannot overflow float32, top-k/top-p in range."""
+    temperature that cannot overflow float32, top-k/top-p, the penalties and min_tokens in range (the
+    server's SamplingParams ranges, vLLM's)."""
     r = cfg.rollout
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step: must be >= 1")
     need(r.num_generations >= 2,
@@ -192,6 +193,11 @@ def _rollout(cfg: Config) -> None:
          f"rollout.temperature: must be >= {MIN_TEMPERATURE} (RL samples; use eval for greedy)")
     need(r.top_k >= 0, "rollout.top_k: must be >= 0 (0 = off)")
     need(0 < r.top_p <= 1, "rollout.top_p: must be in (0, 1]")
+    need(r.repetition_penalty > 0, f"rollout.repetition_penalty: must be > 0 (1.0 = off), got {r.repetition_penalty}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        need(-2 <= getattr(r, key) <= 2, f"rollout.{key}: must be in [-2, 2] (0.0 = off), got {getattr(r, key)}")
+    need(0 <= r.min_tokens <= r.max_new_tokens,
+         f"rollout.min_tokens: must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
 
 
 def _tools(cfg: Config) -> None:

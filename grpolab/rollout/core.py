@@ -6,7 +6,9 @@ decode together, one position per forward pass, until each has sampled a stop to
 budget. Without tools, rows that have finished leave the batch (a quarter of it at a time: dropping
 rows copies the KV cache), so a rollout costs the tokens actually generated. With tools
 (`tool_decode.ToolSession`), a row that ends a call is fed the result's tokens through the same
-forward passes the other rows decode with (see tool_decode)."""
+forward passes the other rows decode with (see tool_decode). `Penalties`: vLLM's min_tokens and
+repetition/presence/frequency penalties, applied with the server's functions (logits_processors.py)
+before each token is sampled, only when one is set."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..errors import NonFiniteLogits
 from ..utils.padding import pad_sequences
 from .generation import Generation
 from .keys import token_uniforms
+from .logits_processors import ban, penalize, token_counts
 from .sampling import sample_next
 
 # prompts are prefilled this many positions at a time: the prefill's attention scores and activations
@@ -51,6 +54,65 @@ def prefill(model, prompts: list[list[int]], num_generations: int, completion_le
     return Prefilled(p_ids, p_mask, cache, logits.repeat_interleave(G, dim=0))
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """The rollout's logits processors beyond temperature/top-k/top-p, as vLLM's SamplingParams fields of
+    the same names (rollout.* keys; docs/reference/configuration.md)."""
+    repetition_penalty: float = 1.0   # tokens of the prompt, of the tools' outputs or sampled: l / r (l > 0), l * r
+    presence_penalty: float = 0.0     # l - p * (count > 0), count over the tokens the policy sampled
+    frequency_penalty: float = 0.0    # l - f * count
+    min_tokens: int = 0               # the stop tokens banned until this many tokens are sampled
+
+    @property
+    def active(self) -> bool:
+        return self.penalized or self.min_tokens > 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class RowProcessors:
+    """One rollout's `Penalties` with the per-row state they read: `counts` (B, V), how often each row
+    sampled each token; `seen` (B, V), the tokens of its prompt and of the tools' outputs fed to it (the
+    repetition penalty's other tokens; presence and frequency count only what the policy sampled, as
+    OpenAI's and vLLM's count only the generated tokens). Every step is row-wise."""
+
+    def __init__(self, pen: Penalties, prompts: list[list[int]], num_generations: int, vocab: int,
+                 stops: torch.Tensor, device) -> None:
+        self.pen = pen
+        rows = len(prompts) * num_generations
+        self.stops = stops[stops < vocab]
+        self.counts = torch.zeros(rows, vocab, device=device)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        if pen.repetition_penalty != 1:   # (the server's rule too: the prompt matters only to this one)
+            self.seen = (token_counts(prompts, vocab, device) > 0).repeat_interleave(num_generations, dim=0)
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, n_sampled: torch.Tensor) -> torch.Tensor:
+        """The logits (R, V) of the batch's `rows` (R,) processed in vLLM's order (min_tokens' ban, then
+        the penalties), in float32 as vLLM's sampler; `n_sampled` (R,): tokens each row has sampled."""
+        logits = logits.float()
+        early = n_sampled < self.pen.min_tokens
+        if self.stops.numel() and bool(early.any()):
+            banned = torch.zeros_like(logits, dtype=torch.bool)
+            banned[:, self.stops] = early[:, None]
+            logits = ban(logits, banned)
+        if self.pen.penalized:
+            full = torch.full((rows.numel(),), 1.0, device=logits.device)
+            p = self.pen
+            every = rows.numel() == self.counts.size(0)   # all B rows still decode: no (R, V) copies
+            seen, counts = (self.seen, self.counts) if every else (self.seen[rows], self.counts[rows])
+            logits = penalize(logits, seen, counts, full * p.presence_penalty,
+                                 full * p.frequency_penalty, full * p.repetition_penalty)
+        return logits
+
+    def record(self, rows: torch.Tensor, tok: torch.Tensor, sampled: torch.Tensor, fed: torch.Tensor | None) -> None:
+        """Count the tokens the `sampled` rows drew; a tool's token fed to a row joins what it has `seen`."""
+        self.counts[rows[sampled], tok[sampled]] += 1
+        if fed is not None and self.pen.repetition_penalty != 1:
+            self.seen[rows[fed], tok[fed]] = True
+
+
 def check_finite(logps: torch.Tensor, counted: torch.Tensor) -> None:
     """NonFiniteLogits when a counted token's log-prob is NaN (checked once per rollout: a per-step
     check would synchronise every step)."""
@@ -61,7 +123,7 @@ def check_finite(logps: torch.Tensor, counted: torch.Tensor) -> None:
 def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens: int, temperature: float,
            top_k: int, top_p: float, stop_ids: tuple[int, ...], pad_id: int, generator: torch.Generator | None,
            keys: torch.Tensor | None, *, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK,
-           tools=None) -> Generation:
+           tools=None, penalties: Penalties | None = None) -> Generation:
     """Prefill, then sample up to `max_new_tokens` tokens per row (see `engine.generate` for the
     arguments). `tools` (a `tool_decode.ToolSession`): its rows may have tool results fed to them;
     those positions count toward `tools.length` (the positions model and tools fill together), not
@@ -80,12 +142,17 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
     stopped = torch.zeros(B, dtype=torch.bool, device=device)         # sampled a real stop token
     n_sampled = torch.zeros(B, dtype=torch.long, device=device)
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    proc = None   # nothing processed unless a penalty is set: the default decode is exactly as without them
+    if penalties is not None and penalties.active:
+        proc = RowProcessors(penalties, prompts, num_generations, logits.size(-1), stops, device)
     rows = torch.arange(B, device=device)   # the rows still in the batch (indices into the B outputs)
     done = torch.zeros(B, dtype=torch.bool, device=device)   # over the rows in the batch
     steps = 0
     for t in range(L):
         steps = t + 1
         u = token_uniforms(keys, t) if keys is not None else None
+        if proc is not None:
+            logits = proc.apply(logits, rows, n_sampled[rows])
         if logits_hook is not None:
             logits = logits_hook(logits, t, rows)
         tok, lp = sample_next(logits, temperature, top_k, top_p, generator, u)
@@ -95,6 +162,8 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
         if is_fed is not None:
             fed[:, t] = is_fed
         n_sampled[rows] += live.long()
+        if proc is not None:
+            proc.record(rows, tok, live, None if is_fed is None else is_fed & ~done)
         no_room = (n_sampled[rows] >= max_new_tokens) | (t == L - 1)   # nothing more can follow this token
         is_call = tools.calls(t, out, tok, live & ~no_room) if tools is not None else None
         stop_now = torch.isin(tok, stops) & live

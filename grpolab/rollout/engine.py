@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from .core import PREFILL_CHUNK, decode
+from .core import PREFILL_CHUNK, Penalties, decode
 from .generation import Generation
 from .tool_decode import ToolSession
 
@@ -21,7 +21,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,
              generator: torch.Generator | None = None, keys: torch.Tensor | None = None,
-             tools=None, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK) -> Generation:
+             tools=None, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
@@ -34,6 +35,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     of the R rows still decoding, the token index t and `rows` (R,), those rows' indices among the
     B outputs (a logits processor; bench/rollout.py forces each row's stop length with it).
     `prefill_chunk`: prompt positions per prefill forward (0: the whole prompt in one); the same values.
+    `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`: vLLM's SamplingParams
+    fields (core.Penalties), applied before `logits_hook`; at their defaults nothing is processed.
     """
     if logits_hook is not None and tools is not None:
         raise ValueError("logits_hook is not supported together with tools")
@@ -43,7 +46,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
         session = None if tools is None else ToolSession(tools, len(prompts) * num_generations, max_new_tokens,
                                                           next(model.parameters()).device)
         out = decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
-                     generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session)
+                     generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session,
+                     penalties=Penalties(repetition_penalty, presence_penalty, frequency_penalty, min_tokens))
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
 

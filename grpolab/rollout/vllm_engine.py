@@ -5,8 +5,8 @@ weights, in memory, before every rollout that follows an optimizer step (`load_w
 merged in by the caller). Each completion is one request whose seed is its completion key
 (rollout/keys.py), so a completion does not depend on which other requests share the batch. Each
 request asks for the sampled token's log-prob in vLLM's `processed_logprobs` mode: under the
-distribution it sampled from (after temperature, top-k and top-p), which is what the importance ratio
-against the trainer's own log-probs needs.
+distribution it sampled from (after the penalties and min_tokens, temperature, top-k and top-p), which
+is what the importance ratio against the trainer's own log-probs needs.
 
 In-process means `VLLM_ENABLE_V1_MULTIPROCESSING=0` (no spawned engine or worker; weights cross no
 process boundary). Starting vLLM that way touches the host process, and the engine undoes it: it
@@ -100,9 +100,12 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids: tuple[int, ...] = (),
-                 pad_id: int = 0, keys: torch.Tensor | None = None) -> Generation:
+                 pad_id: int = 0, keys: torch.Tensor | None = None, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0) -> Generation:
         """`rollout.engine.generate`'s contract on vLLM: rows [i*G, (i+1)*G) belong to prompt i; each row
-        stops at one of `stop_ids` (kept, as the built-in engine keeps it) or after max_new_tokens."""
+        stops at one of `stop_ids` (kept, as the built-in engine keeps it) or after max_new_tokens. The
+        penalties and min_tokens go to vLLM's SamplingParams as they are (its min_tokens bans `stop_ids`:
+        with ignore_eos they are its only stop tokens); its processed log-probs then include them."""
         G = num_generations
         B = len(prompts) * G
         if keys is not None and keys.numel() != B:
@@ -111,7 +114,9 @@ class VLLMEngine:
         # temperature 0: vLLM samples greedily and drops top-k/top-p itself, as the built-in engine does
         params = [self.SamplingParams(
             n=1, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_new_tokens, seed=s, logprobs=0,
-            ignore_eos=True, stop_token_ids=list(stop_ids), detokenize=False) for s in seeds]
+            ignore_eos=True, stop_token_ids=list(stop_ids), detokenize=False, repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_tokens=min_tokens)
+            for s in seeds]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(G)]
         try:
             outs = self.llm.generate(requests, params, use_tqdm=False)

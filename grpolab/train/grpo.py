@@ -193,6 +193,9 @@ class GRPOTrainer(Trainer):
         self.progress.start_phase("rollout", len(rows) * G)
         prompt_ids = [self.tok.render_prompt(x["prompt"]) for x in rows]
         greedy = None
+        # the penalties shape the rollout's completions, ReMax's greedy baseline too (as verl's rollout config does)
+        penalties = dict(repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
+                         frequency_penalty=r.frequency_penalty, min_tokens=r.min_tokens)
         # counts the tokens as they are sampled, for the progress line (the logits pass through untouched)
         hook = self._count_tokens if self.progress.on and self.tools is None else None
         try:
@@ -200,10 +203,11 @@ class GRPOTrainer(Trainer):
                 gen = self._sample(prompt_ids, num_generations=G,
                                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                    top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
-                                   pad_id=self.tok.pad_id, keys=keys, logits_hook=hook)
+                                   pad_id=self.tok.pad_id, keys=keys, logits_hook=hook, **penalties)
                 if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
                     gg = self._sample(prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
-                                      temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id)
+                                      temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
+                                      **penalties)
                     greedy = gg.id_lists()
         except NonFiniteLogits:
             raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "

@@ -70,6 +70,17 @@ def test_greedy_tokens_and_logprobs_equal_the_builtin_engine_after_each_weight_l
         assert (theirs.sampler_logprobs[~m] == 0).all()
 
 
+def test_penalties_and_min_tokens_reach_vllm_and_decode_as_the_builtin_engine(tiny, engine):
+    policy, tok = load_hf(str(tiny))
+    _load(engine, policy, 0)
+    kw = dict(max_new_tokens=24, temperature=0.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id)
+    pen = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=24)
+    ours, theirs = generate(policy, PROMPTS, **kw, **pen), engine.generate(PROMPTS, **kw, **pen)
+    # the same tokens, not the unpenalized ones, and both record the penalized distribution's log-probs
+    assert ours.id_lists() == theirs.id_lists() != engine.generate(PROMPTS, **kw).id_lists() and (
+        ours.sampler_logprobs - theirs.sampler_logprobs)[theirs.completion_mask].abs().max() < LOGPROB_TOL
+
+
 def test_sampled_logprobs_are_the_tempered_distributions_and_seeds_ignore_the_batch(tiny, engine):
     policy, tok = load_hf(str(tiny))
     _load(engine, policy, 0)

@@ -105,7 +105,10 @@ class Grammars:
 
     def compile(self, c: Constraint) -> str:
         """The checked grammar of `c` (cached); BadConstraint with llguidance's reason when it is not valid."""
-        import llguidance
+        try:   # every constrained request passes here first
+            import llguidance
+        except ImportError:
+            raise BadConstraint("structured output needs llguidance: pip install 'grpolab[serve]'") from None
 
         with self._lock:
             if c not in self._cache:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -246,12 +247,15 @@ class Server:
                 raise APIError(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
 
+    @cached_property
+    def tool_problem(self) -> str | None:
+        """Why the model's chat template cannot carry tools (None: it can); checked once, at the first use."""
+        return tool_support(self.tok)
+
     def tool_plan(self, r: ChatRequest) -> ToolPlan:
         """How the request uses tools (tool_calls.plan_tools); a 400 naming the field when it cannot."""
-        if r.tools and not hasattr(self, "_tool_problem"):   # the template's checks run once, at the first use
-            self._tool_problem = tool_support(self.tok)
         try:
-            return plan_tools(self.tok, r.tools, r.tool_choice, getattr(self, "_tool_problem", None))
+            return plan_tools(self.tok, r.tools, r.tool_choice, self.tool_problem if r.tools else None)
         except ToolRequestError as e:
             raise APIError(str(e), e.param) from None
 

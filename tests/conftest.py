@@ -98,6 +98,20 @@ def gsm8k_dir(tmp_path):
     return path
 
 
+def penalized(prompt: list[int], out: list[int], logits: list[float], presence: float, frequency: float,
+              repetition: float) -> list[float]:
+    """vLLM's penalties written out token by token, the tests' independent check of
+    rollout/logits_processors.penalize: CTRL's repetition penalty over the tokens of the prompt and the
+    output, then OpenAI's frequency and presence penalties over the output."""
+    res = []
+    for i, v in enumerate(logits):
+        n = out.count(i)
+        if n or i in prompt:
+            v = v / repetition if v > 0 else v * repetition
+        res.append(v - frequency * n - presence * (n > 0))
+    return res
+
+
 def randomize_lora_b(model, seed: int, scale: float) -> None:
     """Random LoRA B matrices on an HFPolicy with peft adapters, in eval mode (peft starts B at zero,
     which would make a missing adapter invisible to a test)."""

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import penalized, run_cli
 from test_grpo import make_trainer
 
 from grpolab.config.load import load_config
@@ -35,19 +35,6 @@ def model():
 def _logits(model, ids: list[int]) -> list[float]:
     with torch.no_grad():
         return model(torch.tensor([ids]))[0, -1].tolist()
-
-
-def _penalized(prompt: list[int], out: list[int], logits: list[float], presence: float, frequency: float,
-               repetition: float) -> list[float]:
-    """CTRL's repetition penalty over the prompt and the output, then OpenAI's frequency and presence
-    penalties over the output, token by token."""
-    res = []
-    for i, v in enumerate(logits):
-        n = out.count(i)
-        if n or i in prompt:
-            v = v / repetition if v > 0 else v * repetition
-        res.append(v - frequency * n - presence * (n > 0))
-    return res
 
 
 def _log_softmax(x: list[float]) -> list[float]:
@@ -79,7 +66,7 @@ def test_each_penalty_equals_a_plain_greedy_decode(model, presence, frequency, r
                  presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
     for r in range(4):
         p = prompts[r // 2]
-        want, lps = _greedy(model, p, n, lambda x, out: _penalized(p, out, x, presence, frequency, repetition), ())
+        want, lps = _greedy(model, p, n, lambda x, out: penalized(p, out, x, presence, frequency, repetition), ())
         assert g.completion_ids[r].tolist() == want
         # the recorded log-prob is the token's under the penalized distribution (the one it was drawn from)
         assert g.sampler_logprobs[r].tolist() == pytest.approx(lps, abs=1e-4)
@@ -142,7 +129,7 @@ def test_penalized_sampling_is_the_same_alone_and_in_a_batch(model):
     p, out = prompts[0], batch.completion_ids[0][batch.completion_mask[0]].tolist()
     want = []
     for t, tok in enumerate(out):
-        x = _penalized(p, out[:t], _logits(ends, p + out[:t]), 0.8, 0.3, 1.4)
+        x = penalized(p, out[:t], _logits(ends, p + out[:t]), 0.8, 0.3, 1.4)
         x = [-math.inf if i == TOK.eos_id and t < 5 else v for i, v in enumerate(x)]
         want.append(_log_softmax(x)[tok])
     assert batch.sampler_logprobs[0, :len(out)].tolist() == pytest.approx(want, abs=1e-4)
@@ -232,7 +219,7 @@ def test_with_tools_a_tools_output_counts_as_context_like_the_prompt(caller):
         if sampled[t]:
             context = prompt + [ids[j] for j in range(t) if fed[j]]
             out = [ids[j] for j in range(t) if sampled[j]]
-            x = _penalized(context, out, _logits(caller, prompt + ids[:t]), 0.5, 0.2, 1.3)
+            x = penalized(context, out, _logits(caller, prompt + ids[:t]), 0.5, 0.2, 1.3)
             assert max(range(len(x)), key=x.__getitem__) == ids[t]
             assert g.sampler_logprobs[0, t].item() == pytest.approx(_log_softmax(x)[ids[t]], abs=1e-5)
     assert sum(sampled) > 10 and sum(fed) > 3

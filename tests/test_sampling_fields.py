@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from conftest import penalized
 from fastapi.testclient import TestClient
 
 from grpolab.errors import ConfigError
@@ -132,16 +133,8 @@ def test_min_tokens_bans_stop_tokens_until_reached(client, peaked):
 
 
 def _penalized(prompt: list[int], presence: float, frequency: float, repetition: float):
-    """OpenAI's presence/frequency and CTRL's repetition penalty, written out token by token."""
-    def process(logits, out):
-        res = []
-        for i, v in enumerate(logits):
-            n = out.count(i)
-            if n or i in prompt:
-                v = v / repetition if v > 0 else v * repetition
-            res.append(v - frequency * n - presence * (n > 0))
-        return res
-    return process
+    """conftest.penalized as a `_greedy` step: (logits, output so far) -> processed logits."""
+    return lambda logits, out: penalized(prompt, out, logits, presence, frequency, repetition)
 
 
 def _no_stop(process):

@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default=None,
                    help=f"run directory (default: a train.output_dir=... override, else {DEMO_DIR})")
     d.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training")
+    d.add_argument("--rollout-workers", type=int, default=None, help="rollout worker processes (train.rollout_workers; "
+                   "with train.async_steps=k they sample k steps ahead)")
     d.add_argument("--config", default=None, help="YAML config to demo instead of the defaults, e.g. "
                    "configs/code_demo.yaml")
     d.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-4")
@@ -86,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
     t.add_argument("--nproc", type=int, default=1, help="local processes (ranks) for data-parallel training, "
                    "started with torch.distributed.run; or launch with torchrun -m grpolab train ...")
+    t.add_argument("--rollout-workers", type=int, default=None, help="rollout worker processes beside the trainer "
+                   "(train.rollout_workers; with train.async_steps=k they sample k steps ahead)")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
     for name, what in (("sft", "supervised fine-tuning on prompt/completion rows or conversations"),
@@ -239,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = list(getattr(args, "overrides", [])) + extra
+    if getattr(args, "rollout_workers", None) is not None:   # --rollout-workers N is train.rollout_workers=N
+        if args.rollout_workers < 0:
+            parser.error("--rollout-workers: must be >= 0")
+        args.overrides.append(f"train.rollout_workers={args.rollout_workers}")
+    if args.debug:   # rollout workers (their own processes) print tracebacks too
+        os.environ["GRPOLAB_DEBUG"] = "1"
     nproc = getattr(args, "nproc", 1)
     if nproc < 1:
         parser.error("--nproc: must be >= 1")

@@ -21,7 +21,8 @@ def rollout_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
                        threshold: float = 2.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(weights (B, T), mask (B, T), metric sums). Weights are detached (1 for mode 'none' or 'mis');
     the mask is `mask` with MIS's rejected tokens removed. Metrics, whatever the mode:
-    'rollout/logprob_abs_diff_sum' (sum of |old - sampler| over active tokens) and 'rollout/ratio_max'."""
+    'rollout/logprob_abs_diff_sum' (sum of |old - sampler| over active tokens), 'rollout/ratio_sum' (sum of rho
+    over them) and 'rollout/ratio_max'."""
     m = mask.bool()
     diff = torch.where(m, old_logp.detach().double() - sampler_logp.double(), torch.zeros((), dtype=torch.float64))
     if level == "token":
@@ -32,6 +33,7 @@ def rollout_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
         raise ValueError(f"rollout_correction_level must be token or sequence, got {level!r}")
     rho = torch.exp(log_rho)
     metrics = {"rollout/logprob_abs_diff_sum": float(diff.abs().sum()),
+               "rollout/ratio_sum": float(torch.where(m, rho, torch.zeros_like(rho)).sum()),
                "rollout/ratio_max": float(torch.where(m, rho, torch.zeros_like(rho)).max()) if m.any() else 0.0}
     weights = torch.ones_like(old_logp)
     if mode == "tis":

@@ -432,6 +432,15 @@ class TrainConfig:
                                                  "update that makes a weight NaN/inf is undone and counted toward "
                                                  "max_bad_steps (costs a copy of both per step); false: such an "
                                                  "update stops the run with one line before any checkpoint holds it")
+    async_steps: int = option(0, "k: the batch of step t is sampled by rollout worker processes with the policy "
+                                 "after step t-k-1 (the first k+1 batches with the initial one), so sampling overlaps "
+                                 "the update. A logical clock, not a race: same seed and k, same bits; resumes "
+                                 "exactly. 0 = the synchronous loop (see docs/async.md)")
+    rollout_workers: int = option(0, "rollout worker processes beside the trainer (CLI --rollout-workers); 0 = "
+                                     "sample in the trainer's process, or 1 worker when async_steps > 0. A batch's "
+                                     "prompts are split over the workers; the completions do not depend on how many")
+    worker_threads: int = option(0, "torch CPU threads per rollout worker (0 = train.threads, or 1 when that is 0 "
+                                    "too); compare at equal total threads: train.threads + workers x worker_threads")
     strategy: str = option("ddp", "with several ranks: ddp (every rank holds the whole model, gradients summed) | "
                                   "fsdp (FSDP2: parameters, gradients and optimizer state sharded over the ranks; "
                                   "see docs/scaling.md). One process: no effect")

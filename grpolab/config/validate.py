@@ -400,6 +400,24 @@ def _train(cfg: Config) -> None:
     need(t.log_every >= 1, "train.log_every: must be >= 1")
     need(t.keep_checkpoints >= 0, "train.keep_checkpoints: must be >= 0 (0 = keep all)")
     need(t.max_bad_steps >= 0, "train.max_bad_steps: must be >= 0")
+    _async(cfg)
+
+
+def _async(cfg: Config) -> None:
+    """train.async_steps / rollout_workers / worker_threads in range; what rollout workers do not run yet."""
+    t = cfg.train
+    for k in ("async_steps", "rollout_workers", "worker_threads"):
+        need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
+    need(t.worker_threads <= max_threads(), f"train.worker_threads: {t.worker_threads} is more than {max_threads()}")
+    if not (t.async_steps or t.rollout_workers):
+        return
+    fix = "or set train.async_steps=0 and train.rollout_workers=0 (rollouts in the trainer's process)"
+    need(not cfg.algorithm.dynamic_sampling,
+         "algorithm.dynamic_sampling: how many prompts a step samples depends on its rewards, which rollout workers "
+         f"sampling ahead cannot know; turn it off, {fix}")
+    need(not cfg.rollout.tools, f"rollout.tools: rollout workers do not run tool calls yet; drop rollout.tools, {fix}")
+    need(cfg.rollout.engine == "builtin",
+         f"rollout.engine: rollout workers run the built-in engine for now; use rollout.engine=builtin, {fix}")
 
 
 def _log(cfg: Config) -> None:

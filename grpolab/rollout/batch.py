@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..utils.padding import pad_to_width
-from .generation import Generation
+from .generation import Generation, cat_generations
 
 
 @dataclass
@@ -34,6 +33,7 @@ class RolloutBatch:
     baselines: torch.Tensor | None = None  # (B,) ... and its reward (the baseline)
     returns: torch.Tensor | None = None   # (B, C) token-level estimators: the returns (gae: the critic's targets)
     values: torch.Tensor | None = None    # (B, C) gae: the critic's values at rollout time
+    weight_version: int = 0               # the policy that sampled it: the one after this many optimizer steps
 
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids, stop token included, no padding (TRL's completion_ids); with
@@ -63,26 +63,16 @@ class RolloutBatch:
                             scorable=None if self.scorable is None else self.scorable[idx],
                             greedy=None if self.greedy is None else pick(self.greedy),
                             greedy_ids=None if self.greedy_ids is None else pick(self.greedy_ids),
-                            baselines=None if self.baselines is None else self.baselines[idx])
+                            baselines=None if self.baselines is None else self.baselines[idx],
+                            weight_version=self.weight_version)
 
 
 def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """One batch from several (e.g. dynamic-sampling rounds): prompts re-padded on the left,
-    completions on the right, group ids renumbered so groups stay distinct."""
+    """One batch from several (e.g. dynamic-sampling rounds): their generations joined (cat_generations),
+    group ids renumbered so groups stay distinct."""
     if len(batches) == 1:
         return batches[0]
-    P = max(b.gen.prompt_ids.size(1) for b in batches)
-    C = max(b.gen.completion_ids.size(1) for b in batches)
-    gens = [b.gen for b in batches]
-    gen = Generation(
-        prompt_ids=torch.cat([pad_to_width(g.prompt_ids, P, pad_id, "left") for g in gens]),
-        prompt_mask=torch.cat([pad_to_width(g.prompt_mask, P, False, "left") for g in gens]),
-        completion_ids=torch.cat([pad_to_width(g.completion_ids, C, pad_id, "right") for g in gens]),
-        completion_mask=torch.cat([pad_to_width(g.completion_mask, C, False, "right") for g in gens]),
-        sampler_logprobs=torch.cat([pad_to_width(g.sampler_logprobs, C, 0.0, "right") for g in gens]),
-        truncated=torch.cat([g.truncated for g in gens]),
-        tool_mask=torch.cat([pad_to_width(g.tool_mask, C, False, "right") for g in gens]),
-        tool_calls=None if any(g.tool_calls is None for g in gens) else [c for g in gens for c in g.tool_calls])
+    gen = cat_generations([b.gen for b in batches], pad_id)
     group_ids, offset = [], 0
     for b in batches:
         if len(b):
@@ -104,4 +94,4 @@ def cat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         scorable=cat_opt([b.scorable for b in batches]),
         greedy=None if any(b.greedy is None for b in batches) else [x for b in batches for x in b.greedy],
         greedy_ids=None if any(b.greedy_ids is None for b in batches) else [x for b in batches for x in b.greedy_ids],
-        baselines=cat_opt([b.baselines for b in batches]))
+        baselines=cat_opt([b.baselines for b in batches]), weight_version=batches[0].weight_version)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils.padding import pad_to_width
+
 
 @dataclass
 class Generation:
@@ -35,3 +37,21 @@ class Generation:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}
+
+
+def cat_generations(gens: list[Generation], pad_id: int) -> Generation:
+    """One Generation from several, rows in order: prompts re-padded on the left, completions on the right
+    (the same tensors one call over all the prompts gives: padding is all that differs)."""
+    if len(gens) == 1:
+        return gens[0]
+    P = max(g.prompt_ids.size(1) for g in gens)
+    C = max(g.completion_ids.size(1) for g in gens)
+    return Generation(
+        prompt_ids=torch.cat([pad_to_width(g.prompt_ids, P, pad_id, "left") for g in gens]),
+        prompt_mask=torch.cat([pad_to_width(g.prompt_mask, P, False, "left") for g in gens]),
+        completion_ids=torch.cat([pad_to_width(g.completion_ids, C, pad_id, "right") for g in gens]),
+        completion_mask=torch.cat([pad_to_width(g.completion_mask, C, False, "right") for g in gens]),
+        sampler_logprobs=torch.cat([pad_to_width(g.sampler_logprobs, C, 0.0, "right") for g in gens]),
+        truncated=torch.cat([g.truncated for g in gens]),
+        tool_mask=torch.cat([pad_to_width(g.tool_mask, C, False, "right") for g in gens]),
+        tool_calls=None if any(g.tool_calls is None for g in gens) else [c for g in gens for c in g.tool_calls])

@@ -38,7 +38,7 @@ from ..config import Config
 from ..data.stream import RowStream
 from ..errors import ConfigError, NonFiniteLogits, TrainingError
 from ..models import set_gradient_checkpointing
-from ..models.checkpoint import load_model, load_training_state, read_ref_state
+from ..models.checkpoint import _load_plain, load_model, load_training_state, read_ref_state
 from ..models.logprobs import completion_logprobs
 from ..models.reference import frozen_reference, reference
 from ..monitor.report.read import read_jsonl
@@ -48,9 +48,11 @@ from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_
 from ..rewards.intrinsic import PolicyView
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import sample
+from ..rollout.generation import Generation
 from ..rollout.keys import completion_keys
 from ..rollout.tool_decode import build_tool_use, tool_metrics
 from ..rollout.vllm_engine import VLLMEngine
+from ..rollout.worker_pool import WorkerError, WorkerPool, weight_version
 from .base import Trainer
 from .critic import CriticTrainer
 from .evaluate import evaluate, score_samples
@@ -131,6 +133,16 @@ class GRPOTrainer(Trainer):
         # rollout.engine=vllm: a vLLM engine in this process, given the policy's weights before each rollout
         self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" else None
         self.sync_time = 0.0   # seconds this step spent giving the vLLM engine the policy's weights
+        # train.async_steps / rollout_workers: batches sampled ahead by worker processes (rollout/worker_pool.py),
+        # started at the first step (after a resume has put back the weights and the batches in flight)
+        t = cfg.train
+        self.async_k = t.async_steps
+        self.n_workers = t.rollout_workers or (1 if t.async_steps else 0)
+        self.pool: WorkerPool | None = None
+        self.next_batch = 1                      # the next batch to request (batch t: the batch of step t)
+        self.in_flight: dict[int, dict] = {}     # requested, not yet trained on: rows, version, epoch
+        self.ready: dict[int, tuple] = {}        # arrived early (or from a checkpoint): gens, timings
+        self.worker_times: dict[str, float] = {}
 
     def _vllm_engine(self, cfg: Config) -> VLLMEngine:
         v, r, limit = cfg.vllm, cfg.rollout, cfg.data.max_prompt_length
@@ -150,10 +162,13 @@ class GRPOTrainer(Trainer):
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Shut the vLLM engine down (its threads, its process group, its memory)."""
+        """Shut the vLLM engine down (its threads, its process group, its memory) and the rollout workers."""
         if self.vllm is not None:
             self.vllm.close()
             self.vllm = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def _sample(self, prompt_ids: list[list[int]], **kw):
         """One batch of rollout completions from the built-in engine, or from vLLM (its weights synced first)."""
@@ -165,6 +180,9 @@ class GRPOTrainer(Trainer):
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
+        if cfg.train.async_steps or cfg.train.rollout_workers:
+            raise ConfigError("train.rollout_workers: rollout workers serve one trainer process for now; drop --nproc, "
+                              "or set train.async_steps=0 and train.rollout_workers=0")
         if cfg.rollout.engine == "vllm":   # vLLM's in-process engine sets up a torch.distributed world of its own
             raise ConfigError("rollout.engine: vllm runs in one process for now; drop --nproc or use "
                               "rollout.engine=builtin")
@@ -176,44 +194,110 @@ class GRPOTrainer(Trainer):
                               "use train.strategy=ddp")
 
     # ------------------------------------------------------------ one step, as data
-    def rollout(self) -> RolloutBatch:
-        r = self.cfg.rollout
-        first = self.sampler.drawn
-        rows = [self.train_rows[i] for i in self.sampler.next(r.prompts_per_step)]   # the same on every rank
-        draws = torch.arange(first, first + len(rows))
-        if self.world.size > 1:                          # this rank's share: whole groups, in order
-            k = len(rows) // self.world.size
-            rows = rows[self.world.rank * k:(self.world.rank + 1) * k]
+    def _draw(self) -> tuple[list[int], torch.Tensor, float]:
+        """The next prompts (row indices, this rank's share: whole groups, in order), their draw numbers,
+        and the epoch before them (the prompts' passes so far)."""
+        s = self.sampler
+        epoch = s.epoch + s.index / max(1, s.n)
+        first = s.drawn
+        idx = s.next(self.cfg.rollout.prompts_per_step)   # the same on every rank
+        draws = torch.arange(first, first + len(idx))
+        if self.world.size > 1:
+            k = len(idx) // self.world.size
+            idx = idx[self.world.rank * k:(self.world.rank + 1) * k]
             draws = draws[self.world.rank * k:(self.world.rank + 1) * k]
+        return list(idx), draws, epoch
+
+    def _sampling_calls(self, idx: list[int], draws: torch.Tensor) -> list[dict]:
+        """The engine calls one batch needs (`rollout.engine.sample`'s arguments, the prompts under
+        'prompts'): the rollout, and with ReMax each prompt's greedy completion (its baseline)."""
+        r = self.cfg.rollout
         G = r.num_generations
+        prompts = [self.tok.render_prompt(self.train_rows[i]["prompt"]) for i in idx]
         # each completion's randomness is keyed by (seed, prompt draw, sample): the same completions
-        # however the step is split over ranks, and after a resume
-        keys = completion_keys(self.cfg.train.seed, draws.repeat_interleave(G), torch.arange(G).repeat(len(rows)))
-        self.model.eval()
-        self.progress.start_phase("rollout", len(rows) * G)
-        prompt_ids = [self.tok.render_prompt(x["prompt"]) for x in rows]
-        greedy = None
+        # however the step is split over ranks or workers, and after a resume
+        keys = completion_keys(self.cfg.train.seed, draws.repeat_interleave(G), torch.arange(G).repeat(len(idx)))
         # the penalties shape the rollout's completions, ReMax's greedy baseline too (as verl's rollout config does)
         penalties = dict(repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
                          frequency_penalty=r.frequency_penalty, min_tokens=r.min_tokens)
+        calls = [dict(prompts=prompts, num_generations=G, max_new_tokens=r.max_new_tokens,
+                      temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                      stop_ids=() if r.ignore_eos else self.tok.stop_ids, pad_id=self.tok.pad_id, keys=keys,
+                      **penalties)]
+        if self.cfg.algorithm.adv_estimator == "remax":
+            calls.append(dict(prompts=prompts, num_generations=1, max_new_tokens=r.max_new_tokens, temperature=0.0,
+                              stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id, **penalties))
+        return calls
+
+    def _diverged(self) -> TrainingError:
+        return TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
+                             f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
+                             f"from an earlier checkpoint")
+
+    def rollout(self) -> RolloutBatch:
+        """This step's batch: sampled now with the current policy, or taken from the rollout workers."""
+        if self.n_workers:
+            return self._worker_rollout()
+        idx, draws, _ = self._draw()   # (collect() took the epoch before the step's first round)
+        self.model.eval()
+        self.progress.start_phase("rollout", len(idx) * self.cfg.rollout.num_generations)
         # counts the tokens as they are sampled, for the progress line (the logits pass through untouched)
         hook = self._count_tokens if self.progress.on and self.tools is None else None
         try:
             with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gen = self._sample(prompt_ids, num_generations=G,
-                                   max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                   top_p=r.top_p, stop_ids=() if r.ignore_eos else self.tok.stop_ids,
-                                   pad_id=self.tok.pad_id, keys=keys, logits_hook=hook, **penalties)
-                if self.cfg.algorithm.adv_estimator == "remax":   # ReMax's baseline: each prompt's greedy completion
-                    gg = self._sample(prompt_ids, num_generations=1, max_new_tokens=r.max_new_tokens,
-                                      temperature=0.0, stop_ids=self.tok.stop_ids, pad_id=self.tok.pad_id,
-                                      **penalties)
-                    greedy = gg.id_lists()
+                gens = [self._sample(c.pop("prompts"), logits_hook=hook if i == 0 else None, **c)
+                        for i, c in enumerate(self._sampling_calls(idx, draws))]
         except NonFiniteLogits:
-            raise TrainingError(f"step {self.step + 1}: the policy's next-token probabilities are NaN/inf (the "
-                                f"weights diverged); lower optim.lr, keep optim.max_grad_norm > 0, or resume "
-                                f"from an earlier checkpoint") from None
-        # the text rewards read: tool calls and their results inline, where the model saw them
+            raise self._diverged() from None
+        return self._as_batch(idx, gens, self.step)
+
+    def _worker_rollout(self) -> RolloutBatch:
+        """The logical clock (rollout/worker_pool.py): publish the policy after step s-1, request every
+        batch that version may sample (up to s+k), take batch s, sampled with the policy after step s-k-1."""
+        s, k = self.step + 1, self.async_k
+        if self.pool is None:
+            self.progress.start_phase("starting rollout workers")
+            t = self.cfg.train
+            threads = t.worker_threads or t.threads or 1
+            dev = str(self.device)
+            self.pool = WorkerPool(self.n_workers, threads, [dev] * self.n_workers if dev == "cpu" else
+                                   [f"cuda:{i + 1}" for i in range(self.n_workers)])
+            self.pool.ship(self.model, self.step)
+        self.pool.publish(self.step)
+        while self.next_batch <= min(s + k, self.max_steps):
+            b = self.next_batch
+            idx, draws, epoch = self._draw()
+            # (a finished run resumed with a larger train.max_steps never sampled the batches past its old
+            # end: they get the policy it ended with, the oldest one still there)
+            v = max(weight_version(b, k), self.pool.version)
+            self.pool.request(b, v, self._sampling_calls(idx, draws))
+            self.in_flight[b] = {"rows": idx, "version": v, "epoch": epoch}
+            self.next_batch += 1
+        self.progress.start_phase(f"waiting for batch {s}")
+        t0 = time.perf_counter()
+        gens, times = self.ready.pop(s) if s in self.ready else self._take(s)
+        meta = self.in_flight.pop(s)
+        self.epoch_at_step = meta["epoch"]
+        self.worker_times = {"time/rollout_wait": time.perf_counter() - t0, **times}
+        return self._as_batch(meta["rows"], gens, meta["version"])
+
+    def _take(self, b: int) -> tuple:
+        try:
+            gens, times = self.pool.take(b, self.tok.pad_id)
+        except WorkerError as e:
+            if e.reason == "nonfinite":
+                raise self._diverged() from None
+            raise TrainingError(f"{e}; the run stopped (the last checkpoint is kept: train.resume=auto continues "
+                                f"it)") from None
+        return gens, {"time/generate": times["generate_s"], "time/worker_idle": times["idle_s"]}
+
+    def _as_batch(self, idx: list[int], gens: list, version: int) -> RolloutBatch:
+        """The batch rewards and the update read: the completions decoded (tool calls and results inline,
+        where the model saw them), the rows' columns, ReMax's greedy completions."""
+        rows = [self.train_rows[i] for i in idx]
+        gen = gens[0]
+        G = self.cfg.rollout.num_generations
+        greedy = gens[1].id_lists() if len(gens) > 1 else None
         completions = [self.tok.decode(ids) for ids in gen.id_lists()]
         keys = [k for k in rows[0] if k != "prompt"]
         return RolloutBatch(
@@ -221,7 +305,7 @@ class GRPOTrainer(Trainer):
             prompts=[x["prompt"] for x in rows for _ in range(G)], completions=completions,
             columns={k: [x[k] for x in rows for _ in range(G)] for k in keys},
             greedy=None if greedy is None else [self.tok.decode(x) for x in greedy for _ in range(G)],
-            greedy_ids=None if greedy is None else [x for x in greedy for _ in range(G)])
+            greedy_ids=None if greedy is None else [x for x in greedy for _ in range(G)], weight_version=version)
 
     def _count_tokens(self, logits: torch.Tensor, t: int, rows: torch.Tensor) -> torch.Tensor:
         """generate()'s logits hook: counts the rows sampling a token now; returns the logits as they are."""
@@ -278,7 +362,10 @@ class GRPOTrainer(Trainer):
             self.progress.start_phase("score", len(batch))
             for k, v in self.score(batch).items():
                 self.logged_metrics.setdefault(k, []).extend(v)
-            stats["time/generate"] += t1 - t0
+            if self.n_workers:   # the workers sampled for time/generate; the trainer waited time/rollout_wait
+                stats.update(self.worker_times)
+            else:
+                stats["time/generate"] += t1 - t0
             stats["time/reward"] += time.perf_counter() - t1
             first = first or batch
             if not a.dynamic_sampling:
@@ -452,7 +539,8 @@ class GRPOTrainer(Trainer):
         self.progress.start_phase("update", len(batch) * a.num_iterations)
         lr = self.opt.param_groups[0]["lr"]  # the rate this step's updates use (logged before the scheduler moves)
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_ratio/low_sum": 0.0, "clip_ratio/high_sum": 0.0,
-                "clip_ratio/region_sum": 0.0, "rollout/logprob_abs_diff_sum": 0.0, "rollout/masked_sum": 0.0}
+                "clip_ratio/region_sum": 0.0, "rollout/logprob_abs_diff_sum": 0.0, "rollout/masked_sum": 0.0,
+                "rollout/ratio_sum": 0.0}
         ratio_max = 0.0
         grad_norms, applied = [], 0
         for it in range(a.num_iterations):
@@ -469,6 +557,7 @@ class GRPOTrainer(Trainer):
                 if it == 0:
                     sums["rollout/logprob_abs_diff_sum"] += rc["rollout/logprob_abs_diff_sum"]
                     sums["rollout/masked_sum"] += rc.get("rollout/masked_sum", 0.0)
+                    sums["rollout/ratio_sum"] += rc["rollout/ratio_sum"]
                     ratio_max = max(ratio_max, rc["rollout/ratio_max"])
                 loss, cm = compute_policy_loss(logp, old, adv[s], m_pg, policy_loss=a.policy_loss,
                                                loss_agg_mode=a.loss_agg_mode, epsilon=a.epsilon,
@@ -513,6 +602,7 @@ class GRPOTrainer(Trainer):
         for k in ("low", "high", "region"):
             out[f"clip_ratio/{k}_mean"] = sums[f"clip_ratio/{k}_sum"] / passes / max(n_tok, 1)
         out["rollout/logprob_abs_diff"] = sums["rollout/logprob_abs_diff_sum"] / max(n_tok, 1)
+        out["rollout/ratio_mean"] = sums["rollout/ratio_sum"] / max(n_tok, 1)
         out["rollout/ratio_max"] = float(dist.gather_rows(torch.tensor([ratio_max])).max())
         if a.rollout_correction == "mis":
             out["rollout/masked_ratio"] = sums["rollout/masked_sum"] / max(n_tok, 1)
@@ -600,6 +690,11 @@ class GRPOTrainer(Trainer):
         if self.tools is not None:
             metrics.update(tool_metrics(batch.gen.tool_calls, list(self.tools.runner.tools), glob))
         metrics["time/generate"] = stats["time/generate"]
+        if self.n_workers:   # how far behind the policy that sampled this batch was, in optimizer steps
+            metrics["async/weight_version"] = batch.weight_version
+            metrics["async/staleness"] = self.step - 1 - batch.weight_version
+            metrics["time/rollout_wait"] = stats["time/rollout_wait"]
+            metrics["time/worker_idle"] = stats["time/worker_idle"]
         if self.vllm is not None:   # (inside time/generate)
             metrics["time/weight_sync"], self.sync_time = self.sync_time, 0.0
         metrics["time/reward"] = stats["time/reward"]
@@ -693,13 +788,38 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict:
-        return {"sampler": self.sampler.state(), **({"std_ema": self.std_ema} if self.std_ema is not None else {})}
+        state = {"sampler": self.sampler.state(), **({"std_ema": self.std_ema} if self.std_ema is not None else {})}
+        if self.n_workers:   # the batches in flight are saved whole (in_flight.pt): a resume needs no old weights
+            self._drain()
+            state["async"] = {"async_steps": self.async_k, "next_batch": self.next_batch,
+                              "in_flight": {str(b): m for b, m in self.in_flight.items()}}
+        return state
+
+    def _drain(self) -> None:
+        """Wait for every batch requested so far (all sampled with versions already published)."""
+        for b in sorted(self.in_flight):
+            if b not in self.ready:
+                self.ready[b] = self._take(b)
+
+    def _save_in_flight(self, path: Path) -> None:
+        self._drain()
+        torch.save({str(b): {"gens": [g.tensors() for g in gens], "times": times}
+                    for b, (gens, times) in self.ready.items()}, path / "in_flight.pt")
 
     def restore_extra(self, state: dict, ckpt: Path) -> None:
         self.sampler.restore(state["sampler"])
         self.std_ema = state.get("std_ema")
         if self.critic is not None:
             self.critic.load(ckpt)
+        saved = state.get("async", {"async_steps": 0, "next_batch": self.step + 1, "in_flight": {}})
+        if saved["async_steps"] != self.async_k:   # the batches in flight were sampled on another clock
+            raise ConfigError(f"train.async_steps: {ckpt} was written with train.async_steps={saved['async_steps']}; "
+                              f"resume it with the same value (this run has {self.async_k})")
+        self.next_batch = saved["next_batch"]
+        self.in_flight = {int(b): m for b, m in saved["in_flight"].items()}
+        if self.in_flight:
+            batches = _load_plain(ckpt / "in_flight.pt")
+            self.ready = {int(b): ([Generation(**t) for t in v["gens"]], v["times"]) for b, v in batches.items()}
 
     def rng_state(self) -> dict:
         return {"generator": self.gen.get_state()}
@@ -708,7 +828,11 @@ class GRPOTrainer(Trainer):
         self.gen.set_state(rng["generator"])
 
     def checkpoint_extra(self):
-        return self.critic.save if self.critic is not None else None
+        writers = [f for f in (self.critic.save if self.critic is not None else None,
+                               self._save_in_flight if self.n_workers else None) if f is not None]
+        if not writers:
+            return None
+        return lambda path: [w(path) for w in writers]
 
     def full_states(self) -> dict | None:
         """fsdp: every rank sends its shards; rank 0 writes the full tensors."""

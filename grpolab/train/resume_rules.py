@@ -27,7 +27,7 @@ SAFE_KEYS: tuple[str, ...] = (
 )
 # Where the numbers are computed (the device, the CPU thread count): the same algorithm, with results
 # equal up to floating-point rounding only (bit-identical metrics need the same device and threads).
-PLACEMENT_KEYS: tuple[str, ...] = ("model.device", "train.threads")
+PLACEMENT_KEYS: tuple[str, ...] = ("model.device", "train.threads", "train.rollout_workers", "train.worker_threads")
 # The length of an offline job (`grpolab sft` / dpo / rm / distill): its train.max_steps.
 JOB_LENGTH_KEYS: dict[str, tuple[str, ...]] = {
     job: (f"{job}.steps", f"{job}.epochs") for job in ("sft", "dpo", "rm", "distill")

@@ -438,7 +438,8 @@ class TrainConfig:
                                  "exactly. 0 = the synchronous loop (see docs/async.md)")
     rollout_workers: int = option(0, "rollout worker processes beside the trainer (CLI --rollout-workers); 0 = "
                                      "sample in the trainer's process, or 1 worker when async_steps > 0. A batch's "
-                                     "prompts are split over the workers; the completions do not depend on how many")
+                                     "prompts are split over the workers; the completions do not depend on how "
+                                     "many (their sampler log-probs only to float rounding)")
     worker_threads: int = option(0, "torch CPU threads per rollout worker (0 = train.threads, or 1 when that is 0 "
                                     "too); compare at equal total threads: train.threads + workers x worker_threads")
     strategy: str = option("ddp", "with several ranks: ddp (every rank holds the whole model, gradients summed) | "

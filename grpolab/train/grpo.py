@@ -143,6 +143,7 @@ class GRPOTrainer(Trainer):
         self.in_flight: dict[int, dict] = {}     # requested, not yet trained on: rows, version, epoch
         self.ready: dict[int, tuple] = {}        # arrived early (or from a checkpoint): gens, timings
         self.worker_times: dict[str, float] = {}
+        self.worker_start: float | None = None   # seconds to start the workers and ship the model (first step)
 
     def _vllm_engine(self, cfg: Config) -> VLLMEngine:
         v, r, limit = cfg.vllm, cfg.rollout, cfg.data.max_prompt_length
@@ -255,7 +256,8 @@ class GRPOTrainer(Trainer):
         """The logical clock (rollout/worker_pool.py): publish the policy after step s-1, request every
         batch that version may sample (up to s+k), take batch s, sampled with the policy after step s-k-1."""
         s, k = self.step + 1, self.async_k
-        if self.pool is None:
+        started = time.perf_counter()
+        if self.pool is None:   # (started and given the model here: its time is this step's time/worker_start)
             self.progress.start_phase("starting rollout workers")
             t = self.cfg.train
             threads = t.worker_threads or t.threads or 1
@@ -263,6 +265,7 @@ class GRPOTrainer(Trainer):
             self.pool = WorkerPool(self.n_workers, threads, [dev] * self.n_workers if dev == "cpu" else
                                    [f"cuda:{i + 1}" for i in range(self.n_workers)])
             self.pool.ship(self.model, self.step)
+            self.worker_start = time.perf_counter() - started
         self.pool.publish(self.step)
         while self.next_batch <= min(s + k, self.max_steps):
             b = self.next_batch
@@ -279,6 +282,8 @@ class GRPOTrainer(Trainer):
         meta = self.in_flight.pop(s)
         self.epoch_at_step = meta["epoch"]
         self.worker_times = {"time/rollout_wait": time.perf_counter() - t0, **times}
+        if self.worker_start is not None:
+            self.worker_times["time/worker_start"], self.worker_start = self.worker_start, None
         return self._as_batch(meta["rows"], gens, meta["version"])
 
     def _take(self, b: int) -> tuple:
@@ -695,6 +700,8 @@ class GRPOTrainer(Trainer):
             metrics["async/staleness"] = self.step - 1 - batch.weight_version
             metrics["time/rollout_wait"] = stats["time/rollout_wait"]
             metrics["time/worker_idle"] = stats["time/worker_idle"]
+            if "time/worker_start" in stats:   # the first step of this process (inside its time/step)
+                metrics["time/worker_start"] = stats["time/worker_start"]
         if self.vllm is not None:   # (inside time/generate)
             metrics["time/weight_sync"], self.sync_time = self.sync_time, 0.0
         metrics["time/reward"] = stats["time/reward"]

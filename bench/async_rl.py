@@ -69,8 +69,7 @@ Caveat for the demo curves: with k >= 1 the worker keeps sampling requested batc
 evaluates, time the train_s clock does not count; the periodic evals thus flatter k1/k2 slightly (the more
 so the smaller E). The realistic shape has no periodic eval.
 
-Run it on a quiet machine: nothing else on the cores (the test suite's tests/test_async.py kills rollout
-workers it finds by name, machine-wide: it can kill this bench's workers).
+Run it on a quiet machine: nothing else on the cores.
 """
 
 from __future__ import annotations

@@ -144,6 +144,10 @@ class GRPOTrainer(Trainer):
         self.ready: dict[int, tuple] = {}        # arrived early (or from a checkpoint): gens, timings
         self.worker_times: dict[str, float] = {}
         self.worker_start: float | None = None   # seconds to start the workers and ship the model (first step)
+        if self.async_k and a.rollout_correction == "none" and console is not None and self.world.main:
+            console.warn(f"train.async_steps={self.async_k} with algorithm.rollout_correction=none: batches sampled "
+                         f"by a policy up to {self.async_k} steps old are trained on as if on-policy; "
+                         f"algorithm.rollout_correction=tis (or mis) corrects for it")
 
     def _vllm_engine(self, cfg: Config) -> VLLMEngine:
         v, r, limit = cfg.vllm, cfg.rollout, cfg.data.max_prompt_length

@@ -9,8 +9,9 @@ configurations (--configs, in this order, reversed every other round with --roun
   w0      train.threads=1 + --rollout-workers 1 with train.worker_threads=1, train.async_steps=0: the worker
           samples batch t with the policy after step t-1 (the same run as sync, bit for bit, but
           generation and the update never overlap: the worker waits for the update, the trainer for the batch)
-  k1, k2  the same with train.async_steps=1 / 2: batch t is sampled with the policy after step t-k-1, so the
-          worker samples the next batches while the trainer updates (off-policy by up to k steps)
+  k1, k2  the same with train.async_steps=1 / 2 and algorithm.rollout_correction=tis: batch t is sampled with
+          the policy after step t-k-1, so the worker samples the next batches while the trainer updates
+          (off-policy by up to k steps, corrected by truncated importance weights)
 
 shapes (--shape):
   demo       the demo's config (grpolab's defaults: the built-in GPT, arithmetic, 16 prompts x 8 completions,
@@ -103,8 +104,9 @@ def config_args(name: str) -> list[str]:
     threads, workers, worker_threads, k = CONFIGS[name]
     if not workers:
         return [f"train.threads={threads}", "train.rollout_workers=0", "train.async_steps=0"]
+    # k >= 1 trains on stale batches: with the correction the docs recommend for it (TIS)
     return ["--rollout-workers", str(workers), f"train.threads={threads}", f"train.worker_threads={worker_threads}",
-            f"train.async_steps={k}"]
+            f"train.async_steps={k}", *(["algorithm.rollout_correction=tis"] if k else [])]
 
 
 def run_grpolab(args: list[str], run_dir: Path, timeout: float) -> dict:

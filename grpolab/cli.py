@@ -389,9 +389,6 @@ def _config_problem(args, nproc: int) -> str | None:
             cfg = load_config(args.config, list(args.overrides) + steps)
     except ConfigError as e:
         return str(e)
-    if cfg.train.async_steps or cfg.train.rollout_workers:
-        return ("train.rollout_workers: rollout workers serve one trainer process for now; drop --nproc, or set "
-                "train.async_steps=0 and train.rollout_workers=0")
     return _distributed().check_world(_distributed().World(rank=0, size=nproc, local_rank=0, local_size=nproc),
                                    cfg.rollout.prompts_per_step)
 

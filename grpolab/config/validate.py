@@ -416,8 +416,6 @@ def _async(cfg: Config) -> None:
          "algorithm.dynamic_sampling: how many prompts a step samples depends on its rewards, which rollout workers "
          f"sampling ahead cannot know; turn it off, {fix}")
     need(not cfg.rollout.tools, f"rollout.tools: rollout workers do not run tool calls yet; drop rollout.tools, {fix}")
-    need(cfg.rollout.engine == "builtin",
-         f"rollout.engine: rollout workers run the built-in engine for now; use rollout.engine=builtin, {fix}")
 
 
 def _log(cfg: Config) -> None:

@@ -38,6 +38,14 @@ class Generation:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}
 
+    def rows(self, lo: int, hi: int) -> Generation:
+        """Rows lo..hi-1 (padding as it is)."""
+        return Generation(**{k: t[lo:hi] for k, t in self.tensors().items()},
+                          tool_calls=None if self.tool_calls is None else self.tool_calls[lo:hi])
+
+    def to(self, device) -> Generation:
+        return Generation(**{k: t.to(device) for k, t in self.tensors().items()}, tool_calls=self.tool_calls)
+
 
 def cat_generations(gens: list[Generation], pad_id: int) -> Generation:
     """One Generation from several, rows in order: prompts re-padded on the left, completions on the right

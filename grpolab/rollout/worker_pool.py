@@ -132,9 +132,10 @@ class WorkerPool:
             self._lost()
 
     # ------------------------------------------------------------ the trainer's calls
-    def ship(self, model: torch.nn.Module, version: int) -> None:
-        """The model (architecture and every weight, as it is now: `version`) to every worker, once."""
-        self._send(self.link.send_command, link.MODEL, version=version, payload=model)
+    def ship(self, model: torch.nn.Module, version: int, vllm: dict | None = None) -> None:
+        """The model (architecture and every weight, as it is now: `version`) to every worker, once; `vllm`:
+        VLLMEngine's options, for workers that sample with a vLLM engine built on the model's config."""
+        self._send(self.link.send_command, link.MODEL, version=version, payload={"model": model, "vllm": vllm})
         self.trained = [p for p in model.parameters() if p.requires_grad]
         self.version = version
 

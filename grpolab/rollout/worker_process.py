@@ -30,6 +30,7 @@ from ..determinism import pin_cpu_numerics
 from ..errors import NonFiniteLogits
 from . import link
 from .engine import sample
+from .vllm_engine import VLLMEngine
 
 WATCH_PARENT_S = 0.5   # how often a worker checks that the trainer still runs
 
@@ -56,8 +57,16 @@ class Worker:
         self.link, self.debug = lk, debug
         self.inbox: queue.Queue = queue.Queue()
         self.model = None
+        self.engine: VLLMEngine | None = None   # rollout.engine=vllm: a vLLM engine in this worker
         self.trained: list[torch.Tensor] = []
         self.version = -1
+
+    def _engine(self, options: dict) -> VLLMEngine:
+        """A vLLM engine on the model's config, given the model's weights (the version just received). One
+        that cannot start ends the worker with its one line (the trainer then reports the worker's exit)."""
+        engine = VLLMEngine(self.model.causal_lm().config, **options)
+        engine.load_weights(self.model.merged_weights().items(), self.version)
+        return engine
 
     def receive(self) -> None:
         """Receiving thread: commands into the inbox; a weight version into a buffer of its own."""
@@ -65,10 +74,10 @@ class Worker:
             while True:
                 kind, batch, version, payload = self.link.recv_command()
                 if kind == link.MODEL:
-                    model = payload.to(self.link.weights_device)
+                    model = payload["model"].to(self.link.weights_device)
                     model.eval()
                     self.trained = [p for p in model.parameters() if p.requires_grad]
-                    self.inbox.put(("model", version, model))
+                    self.inbox.put(("model", version, (model, payload["vllm"])))
                 elif kind == link.WEIGHTS:
                     flat = link.flat_like(self.trained)
                     self.link.broadcast_weights(flat)
@@ -86,13 +95,19 @@ class Worker:
         while True:
             what, version, payload = self.inbox.get()
             if what == "stop":
+                if self.engine is not None:
+                    self.engine.close()
                 return
             if what == "model":
-                self.model, self.version = payload, version
+                (self.model, vllm), self.version = payload, version
+                if vllm is not None:
+                    self.engine = self._engine(vllm)
                 continue
             if what == "weights":
                 link.unflatten_into(self.trained, payload)
                 self.version = version
+                if self.engine is not None:   # LoRA merged in on the way (the model itself untouched)
+                    self.engine.load_weights(self.model.merged_weights().items(), version)
                 continue
             batch, calls = payload
             start = time.perf_counter()
@@ -104,8 +119,8 @@ class Worker:
                 w = self.link.rank - 1
                 parts = [share_of_call(c, w, self.link.size - 1) for c in calls]
                 with torch.inference_mode():
-                    result["gens"] = [None if c is None else sample(self.model, c.pop("prompts"), **c)
-                                      for c in parts]
+                    result["gens"] = [None if c is None else sample(self.model, c.pop("prompts"), engine=self.engine,
+                                                                    **c) for c in parts]
             except NonFiniteLogits:
                 result["error"] = "nonfinite"
             except Exception as e:   # noqa: BLE001 - one line to the trainer, which ends the run with it

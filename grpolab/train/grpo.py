@@ -131,7 +131,9 @@ class GRPOTrainer(Trainer):
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [], rows=train_rows,
                          source=cfg.data.train_path or f"data.task={cfg.data.task}")
         # rollout.engine=vllm: a vLLM engine in this process, given the policy's weights before each rollout
-        self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" else None
+        # (with rollout workers, the workers hold it: rollout/worker_process.py)
+        self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" and not (
+            cfg.train.async_steps or cfg.train.rollout_workers) else None
         self.sync_time = 0.0   # seconds this step spent giving the vLLM engine the policy's weights
         # train.async_steps / rollout_workers: batches sampled ahead by worker processes (rollout/worker_pool.py),
         # started at the first step (after a resume has put back the weights and the batches in flight)
@@ -144,18 +146,24 @@ class GRPOTrainer(Trainer):
         self.ready: dict[int, tuple] = {}        # arrived early (or from a checkpoint): gens, timings
         self.worker_times: dict[str, float] = {}
         self.worker_start: float | None = None   # seconds to start the workers and ship the model (first step)
+        self.published = -1                      # the last weight version given to the workers
         if self.async_k and a.rollout_correction == "none" and console is not None and self.world.main:
             console.warn(f"train.async_steps={self.async_k} with algorithm.rollout_correction=none: batches sampled "
                          f"by a policy up to {self.async_k} steps old are trained on as if on-policy; "
                          f"algorithm.rollout_correction=tis (or mis) corrects for it")
 
-    def _vllm_engine(self, cfg: Config) -> VLLMEngine:
+    @staticmethod
+    def _vllm_options(cfg: Config) -> dict:
+        """VLLMEngine's keyword arguments besides the model's config (here, or in a rollout worker)."""
         v, r, limit = cfg.vllm, cfg.rollout, cfg.data.max_prompt_length
-        return VLLMEngine(self.model.causal_lm().config, dtype=cfg.model.dtype,
-                          max_model_len=v.max_model_len or (r.max_new_tokens + limit if limit else None),
-                          gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb,
-                          enforce_eager=v.enforce_eager, prefix_caching=v.prefix_caching, seed=cfg.train.seed,
-                          trust_remote_code=cfg.model.trust_remote_code)
+        return dict(dtype=cfg.model.dtype,
+                    max_model_len=v.max_model_len or (r.max_new_tokens + limit if limit else None),
+                    gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb,
+                    enforce_eager=v.enforce_eager, prefix_caching=v.prefix_caching, seed=cfg.train.seed,
+                    trust_remote_code=cfg.model.trust_remote_code)
+
+    def _vllm_engine(self, cfg: Config) -> VLLMEngine:
+        return VLLMEngine(self.model.causal_lm().config, **self._vllm_options(cfg))
 
     def _sync_vllm(self) -> float:
         """The vLLM engine gets the policy's current weights (LoRA merged in), once per optimizer step.
@@ -185,10 +193,8 @@ class GRPOTrainer(Trainer):
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
-        if cfg.train.async_steps or cfg.train.rollout_workers:
-            raise ConfigError("train.rollout_workers: rollout workers serve one trainer process for now; drop --nproc, "
-                              "or set train.async_steps=0 and train.rollout_workers=0")
-        if cfg.rollout.engine == "vllm":   # vLLM's in-process engine sets up a torch.distributed world of its own
+        workers = cfg.train.async_steps or cfg.train.rollout_workers
+        if cfg.rollout.engine == "vllm" and not workers:   # vLLM in this process sets up a world of its own
             raise ConfigError("rollout.engine: vllm runs in one process for now; drop --nproc or use "
                               "rollout.engine=builtin")
         if cfg.algorithm.adv_estimator in TOKEN_ESTIMATORS:
@@ -199,15 +205,15 @@ class GRPOTrainer(Trainer):
                               "use train.strategy=ddp")
 
     # ------------------------------------------------------------ one step, as data
-    def _draw(self) -> tuple[list[int], torch.Tensor, float]:
-        """The next prompts (row indices, this rank's share: whole groups, in order), their draw numbers,
-        and the epoch before them (the prompts' passes so far)."""
+    def _draw(self, share: bool = True) -> tuple[list[int], torch.Tensor, float]:
+        """The next prompts (row indices; with `share`, this rank's share: whole groups, in order), their
+        draw numbers, and the epoch before them (the prompts' passes so far)."""
         s = self.sampler
         epoch = s.epoch + s.index / max(1, s.n)
         first = s.drawn
         idx = s.next(self.cfg.rollout.prompts_per_step)   # the same on every rank
         draws = torch.arange(first, first + len(idx))
-        if self.world.size > 1:
+        if share and self.world.size > 1:
             k = len(idx) // self.world.size
             idx = idx[self.world.rank * k:(self.world.rank + 1) * k]
             draws = draws[self.world.rank * k:(self.world.rank + 1) * k]
@@ -258,37 +264,56 @@ class GRPOTrainer(Trainer):
 
     def _worker_rollout(self) -> RolloutBatch:
         """The logical clock (rollout/worker_pool.py): publish the policy after step s-1, request every
-        batch that version may sample (up to s+k), take batch s, sampled with the policy after step s-k-1."""
-        s, k = self.step + 1, self.async_k
+        batch that version may sample (up to s+k), take batch s, sampled with the policy after step s-k-1.
+        With several trainer ranks, rank 0 talks to the workers, for the whole batch, and hands each rank
+        its share; every rank keeps the same clock and data position."""
+        s, k, main = self.step + 1, self.async_k, self.world.main
         started = time.perf_counter()
-        if self.pool is None:   # (started and given the model here: its time is this step's time/worker_start)
+        if main and self.pool is None:   # (started and given the model here: this step's time/worker_start)
             self.progress.start_phase("starting rollout workers")
-            t = self.cfg.train
-            threads = t.worker_threads or t.threads or 1
-            dev = str(self.device)
-            self.pool = WorkerPool(self.n_workers, threads, [dev] * self.n_workers if dev == "cpu" else
-                                   [f"cuda:{i + 1}" for i in range(self.n_workers)])
-            self.pool.ship(self.model, self.step)
+            self.pool = self._start_workers()
             self.worker_start = time.perf_counter() - started
-        self.pool.publish(self.step)
+        if main:
+            self.pool.publish(self.step)
+        self.published = self.step
         while self.next_batch <= min(s + k, self.max_steps):
             b = self.next_batch
-            idx, draws, epoch = self._draw()
+            idx, draws, epoch = self._draw(share=False)
             # (a finished run resumed with a larger train.max_steps never sampled the batches past its old
             # end: they get the policy it ended with, the oldest one still there)
-            v = max(weight_version(b, k), self.pool.version)
-            self.pool.request(b, v, self._sampling_calls(idx, draws))
+            v = max(weight_version(b, k), self.published)
+            if main:
+                self.pool.request(b, v, self._sampling_calls(idx, draws))
             self.in_flight[b] = {"rows": idx, "version": v, "epoch": epoch}
             self.next_batch += 1
         self.progress.start_phase(f"waiting for batch {s}")
         t0 = time.perf_counter()
-        gens, times = self.ready.pop(s) if s in self.ready else self._take(s)
+        got = (self.ready.pop(s) if s in self.ready else self._take(s)) if main else None
+        gens, times = dist.broadcast_object(got)
         meta = self.in_flight.pop(s)
+        idx = meta["rows"]
+        if self.world.size > 1:   # this rank's share: whole groups, in order (as the synchronous loop splits)
+            n = len(idx) // self.world.size
+            lo, hi = self.world.rank * n, (self.world.rank + 1) * n
+            idx = idx[lo:hi]
+            per_row = [self.cfg.rollout.num_generations, 1]   # the rollout's rows per prompt, ReMax's greedy
+            gens = [g.rows(lo * r, hi * r) for g, r in zip(gens, per_row)]
         self.epoch_at_step = meta["epoch"]
         self.worker_times = {"time/rollout_wait": time.perf_counter() - t0, **times}
         if self.worker_start is not None:
             self.worker_times["time/worker_start"], self.worker_start = self.worker_start, None
-        return self._as_batch(meta["rows"], gens, meta["version"])
+        return self._as_batch(idx, [g.to(self.device) for g in gens], meta["version"])
+
+    def _start_workers(self) -> WorkerPool:
+        """The rollout workers, given the model as it is now (and, with rollout.engine=vllm, a vLLM engine to
+        build on it). On GPUs each worker takes the next free GPU after the trainer ranks' own."""
+        t = self.cfg.train
+        threads = t.worker_threads or t.threads or 1
+        cpu = self.device.type == "cpu"
+        devices = ["cpu" if cpu else f"cuda:{self.world.local_size + i}" for i in range(self.n_workers)]
+        pool = WorkerPool(self.n_workers, threads, devices)
+        pool.ship(self.model, self.step, self._vllm_options(self.cfg) if self.cfg.rollout.engine == "vllm" else None)
+        return pool
 
     def _take(self, b: int) -> tuple:
         try:

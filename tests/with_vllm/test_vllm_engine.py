@@ -157,6 +157,17 @@ def test_training_with_vllm_logs_the_drift_repeats_and_resumes(tiny, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rollout_worker_samples_with_vllm_on_the_logical_clock(tiny, tmp_path):
+    args = ("train.max_steps=4", "--rollout-workers", "1", "train.async_steps=1", "train.worker_threads=1",
+            "algorithm.rollout_correction=tis")
+    a = _train(tiny, tmp_path / "a", *args)
+    assert [r["async/weight_version"] for r in a] == [0, 0, 1, 2]
+    # step 1 trains on its own policy's samples (vLLM's fp32 noise only); step 2 on the initial policy's
+    assert a[0]["rollout/logprob_abs_diff"] < LOGPROB_TOL < a[1]["rollout/logprob_abs_diff"]
+    assert _strip(_train(tiny, tmp_path / "b", *args)) == _strip(a)   # same seed, same run
+
+
+@pytest.mark.slow
 def test_vllm_eval_matches_the_builtin_engines_greedy_accuracy(tiny, tmp_path):
     """vllm.eval=true: the final eval samples with vLLM; greedy decoding of the same weights gives the same
     greedy accuracy as the built-in engine."""

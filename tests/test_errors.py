@@ -58,6 +58,12 @@ def _case(name, tmp_path):
         "diverged": (["optim.lr=1e30", "optim.max_grad_norm=0", "train.max_bad_steps=0", "sft.steps=5",
                       "train.max_steps=6", "reward.functions=[length]"],
                      ["the policy's next-token probabilities are NaN/inf (the weights diverged)", "optim.lr"]),
+        # the same policy sampled by a rollout worker process: the same line
+        "diverged in a rollout worker": (["optim.lr=1e30", "optim.max_grad_norm=0", "train.max_bad_steps=0",
+                                          "sft.steps=5", "train.max_steps=6", "reward.functions=[length]",
+                                          "train.rollout_workers=1"],
+                                         ["the policy's next-token probabilities are NaN/inf (the weights diverged)",
+                                          "optim.lr"]),
     }
     args, want = cases[name]
     if name == "missing config file":
@@ -69,7 +75,7 @@ def _case(name, tmp_path):
 @pytest.mark.parametrize("name", ["unknown key", "bad value", "missing config file", "malformed row",
                                   "missing column", "unknown reward", "reward raises", "reward wrong count",
                                   "reward NaN", "prompt too long", "missing model", "unwritable output",
-                                  "not a checkpoint", "diverged"])
+                                  "not a checkpoint", "diverged", "diverged in a rollout worker"])
 def test_bad_input_gives_one_clear_line(name, tmp_path):
     args, want = _case(name, tmp_path)
     r = run_cli(*args)

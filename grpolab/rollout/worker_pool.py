@@ -61,7 +61,8 @@ class WorkerPool:
         self.failure: str | None = None
         self.closing = False
         self.cond = threading.Condition()
-        self.link = self._join(devices[0] if devices[0].startswith("cuda") else "cpu")
+        # the trainer's end: its own current GPU (the workers' GPUs are theirs), or the CPU
+        self.link = self._join("cuda" if devices[0].startswith("cuda") else "cpu")
         self.receivers = [threading.Thread(target=self._receive, args=(w,), daemon=True) for w in range(1, n + 1)]
         for t in self.receivers:
             t.start()

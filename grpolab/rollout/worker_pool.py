@@ -44,14 +44,15 @@ class WorkerPool:
     """`n` rollout worker processes with `threads` torch threads each, on `devices` (CPU, or one GPU each).
     A worker prints tracebacks when GRPOLAB_DEBUG=1 (`grpolab --debug` sets it)."""
 
-    def __init__(self, n: int, threads: int, devices: list[str]) -> None:
+    def __init__(self, n: int, threads: int, devices: list[str], cuda_deterministic: bool = True) -> None:
         self.n = n
         self.store = link.host_store(n + 1)
         self.procs: list[subprocess.Popen] = []
         for w in range(1, n + 1):
             env = dict(os.environ, GRPOLAB_WORKERS=str(n), GRPOLAB_WORKER_RANK=str(w),
                        GRPOLAB_LINK_PORT=str(self.store.port), GRPOLAB_WORKER_THREADS=str(threads),
-                       GRPOLAB_WORKER_DEVICE=devices[w - 1], OMP_NUM_THREADS=str(threads))
+                       GRPOLAB_WORKER_DEVICE=devices[w - 1], OMP_NUM_THREADS=str(threads),
+                       GRPOLAB_CUDA_DETERMINISTIC="1" if cuda_deterministic else "0")
             # torchrun's variables would make a worker think it is a trainer rank
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(k, None)

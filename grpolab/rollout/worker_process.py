@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from ..determinism import pin_cpu_numerics
+from ..determinism import pin_cpu_numerics, pin_cuda_numerics
 from ..errors import NonFiniteLogits
 from . import link
 from .engine import sample
@@ -148,6 +148,8 @@ def main() -> int:
     device = env.get("GRPOLAB_WORKER_DEVICE", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+        if env.get("GRPOLAB_CUDA_DETERMINISTIC") == "1":   # train.cuda_deterministic, as in the trainer
+            pin_cuda_numerics()
     size = int(env["GRPOLAB_WORKERS"]) + 1
     store = link.connect_store("127.0.0.1", int(env["GRPOLAB_LINK_PORT"]), size)
     worker = Worker(link.Link.join(store, int(env["GRPOLAB_WORKER_RANK"]), size, device),

@@ -311,7 +311,7 @@ class GRPOTrainer(Trainer):
         threads = t.worker_threads or t.threads or 1
         cpu = self.device.type == "cpu"
         devices = ["cpu" if cpu else f"cuda:{self.world.local_size + i}" for i in range(self.n_workers)]
-        pool = WorkerPool(self.n_workers, threads, devices)
+        pool = WorkerPool(self.n_workers, threads, devices, cuda_deterministic=t.cuda_deterministic)
         pool.ship(self.model, self.step, self._vllm_options(self.cfg) if self.cfg.rollout.engine == "vllm" else None)
         return pool
 

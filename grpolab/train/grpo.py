@@ -38,7 +38,7 @@ from ..config import Config
 from ..data.stream import RowStream
 from ..errors import ConfigError, NonFiniteLogits, TrainingError
 from ..models import set_gradient_checkpointing
-from ..models.checkpoint import _load_plain, load_model, load_training_state, read_ref_state
+from ..models.checkpoint import load_model, load_training_state, read_ref_state
 from ..models.logprobs import completion_logprobs
 from ..models.reference import frozen_reference, reference
 from ..monitor.report.read import read_jsonl
@@ -48,15 +48,15 @@ from ..rewards.combine import RewardLog, TrainerState, check_signatures, number_
 from ..rewards.intrinsic import PolicyView
 from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import sample
-from ..rollout.generation import Generation
 from ..rollout.keys import completion_keys
 from ..rollout.tool_decode import build_tool_use, tool_metrics
 from ..rollout.vllm_engine import VLLMEngine
-from ..rollout.worker_pool import WorkerError, WorkerPool, weight_version
+from ..rollout.worker_pool import WorkerPool
 from .base import Trainer
 from .critic import CriticTrainer
 from .evaluate import evaluate, score_samples
 from .memory_budget import check_run_memory, model_shape
+from .rollouts_ahead import RolloutsAhead
 from .schedule import lr_factor
 
 
@@ -138,18 +138,12 @@ class GRPOTrainer(Trainer):
         # train.async_steps / rollout_workers: batches sampled ahead by worker processes (rollout/worker_pool.py),
         # started at the first step (after a resume has put back the weights and the batches in flight)
         t = cfg.train
-        self.async_k = t.async_steps
         self.n_workers = t.rollout_workers or (1 if t.async_steps else 0)
-        self.pool: WorkerPool | None = None
-        self.next_batch = 1                      # the next batch to request (batch t: the batch of step t)
-        self.in_flight: dict[int, dict] = {}     # requested, not yet trained on: rows, version, epoch
-        self.ready: dict[int, tuple] = {}        # arrived early (or from a checkpoint): gens, timings
-        self.worker_times: dict[str, float] = {}
-        self.worker_start: float | None = None   # seconds to start the workers and ship the model (first step)
-        self.published = -1                      # the last weight version given to the workers
-        if self.async_k and a.rollout_correction == "none" and console is not None and self.world.main:
-            console.warn(f"train.async_steps={self.async_k} with algorithm.rollout_correction=none: batches sampled "
-                         f"by a policy up to {self.async_k} steps old are trained on as if on-policy; "
+        self.ahead = RolloutsAhead(t.async_steps, self.n_workers, self.world, tokenizer.pad_id)
+        self.worker_times: dict[str, float] = {}   # this step's: the wait, the worker's sampling and idle time
+        if t.async_steps and a.rollout_correction == "none" and console is not None and self.world.main:
+            console.warn(f"train.async_steps={t.async_steps} with algorithm.rollout_correction=none: batches sampled "
+                         f"by a policy up to {t.async_steps} steps old are trained on as if on-policy; "
                          f"algorithm.rollout_correction=tis (or mis) corrects for it")
 
     @staticmethod
@@ -179,9 +173,7 @@ class GRPOTrainer(Trainer):
         if self.vllm is not None:
             self.vllm.close()
             self.vllm = None
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self.ahead.close()
 
     def _sample(self, prompt_ids: list[list[int]], **kw):
         """One batch of rollout completions from the built-in engine, or from vLLM (its weights synced first)."""
@@ -263,50 +255,24 @@ class GRPOTrainer(Trainer):
         return self._as_batch(idx, gens, self.step)
 
     def _worker_rollout(self) -> RolloutBatch:
-        """The logical clock (rollout/worker_pool.py): publish the policy after step s-1, request every
-        batch that version may sample (up to s+k), take batch s, sampled with the policy after step s-k-1.
-        With several trainer ranks, rank 0 talks to the workers, for the whole batch, and hands each rank
-        its share; every rank keeps the same clock and data position."""
-        s, k, main = self.step + 1, self.async_k, self.world.main
-        started = time.perf_counter()
-        if main and self.pool is None:   # (started and given the model here: this step's time/worker_start)
-            self.progress.start_phase("starting rollout workers")
-            self.pool = self._start_workers()
-            self.worker_start = time.perf_counter() - started
-        if main:
-            self.pool.publish(self.step)
-        self.published = self.step
-        while self.next_batch <= min(s + k, self.max_steps):
-            b = self.next_batch
-            idx, draws, epoch = self._draw(share=False)
-            # (a finished run resumed with a larger train.max_steps never sampled the batches past its old
-            # end: they get the policy it ended with, the oldest one still there)
-            v = max(weight_version(b, k), self.published)
-            if main:
-                self.pool.request(b, v, self._sampling_calls(idx, draws))
-            self.in_flight[b] = {"rows": idx, "version": v, "epoch": epoch}
-            self.next_batch += 1
-        self.progress.start_phase(f"waiting for batch {s}")
-        t0 = time.perf_counter()
-        got = (self.ready.pop(s) if s in self.ready else self._take(s)) if main else None
-        gens, times = dist.broadcast_object(got)
-        meta = self.in_flight.pop(s)
-        idx = meta["rows"]
+        """This step's batch from the rollout workers (train/rollouts_ahead.py), this rank's share of it."""
+        self.progress.start_phase(f"waiting for batch {self.step + 1}")
+        got = self.ahead.take(self.step, self.max_steps, self._start_workers, lambda: self._draw(share=False),
+                              self._sampling_calls, self._diverged)
+        idx, gens = got.rows, got.gens
         if self.world.size > 1:   # this rank's share: whole groups, in order (as the synchronous loop splits)
             n = len(idx) // self.world.size
             lo, hi = self.world.rank * n, (self.world.rank + 1) * n
             idx = idx[lo:hi]
             per_row = [self.cfg.rollout.num_generations, 1]   # the rollout's rows per prompt, ReMax's greedy
             gens = [g.rows(lo * r, hi * r) for g, r in zip(gens, per_row)]
-        self.epoch_at_step = meta["epoch"]
-        self.worker_times = {"time/rollout_wait": time.perf_counter() - t0, **times}
-        if self.worker_start is not None:
-            self.worker_times["time/worker_start"], self.worker_start = self.worker_start, None
-        return self._as_batch(idx, [g.to(self.device) for g in gens], meta["version"])
+        self.epoch_at_step, self.worker_times = got.epoch, got.times
+        return self._as_batch(idx, [g.to(self.device) for g in gens], got.version)
 
     def _start_workers(self) -> WorkerPool:
         """The rollout workers, given the model as it is now (and, with rollout.engine=vllm, a vLLM engine to
         build on it). On GPUs each worker takes the next free GPU after the trainer ranks' own."""
+        self.progress.start_phase("starting rollout workers")
         t = self.cfg.train
         threads = t.worker_threads or t.threads or 1
         cpu = self.device.type == "cpu"
@@ -314,16 +280,6 @@ class GRPOTrainer(Trainer):
         pool = WorkerPool(self.n_workers, threads, devices, cuda_deterministic=t.cuda_deterministic)
         pool.ship(self.model, self.step, self._vllm_options(self.cfg) if self.cfg.rollout.engine == "vllm" else None)
         return pool
-
-    def _take(self, b: int) -> tuple:
-        try:
-            gens, times = self.pool.take(b, self.tok.pad_id)
-        except WorkerError as e:
-            if e.reason == "nonfinite":
-                raise self._diverged() from None
-            raise TrainingError(f"{e}; the run stopped (the last checkpoint is kept: train.resume=auto continues "
-                                f"it)") from None
-        return gens, {"time/generate": times["generate_s"], "time/worker_idle": times["idle_s"]}
 
     def _as_batch(self, idx: list[int], gens: list, version: int) -> RolloutBatch:
         """The batch rewards and the update read: the completions decoded (tool calls and results inline,
@@ -826,36 +782,15 @@ class GRPOTrainer(Trainer):
     def extra_state(self) -> dict:
         state = {"sampler": self.sampler.state(), **({"std_ema": self.std_ema} if self.std_ema is not None else {})}
         if self.n_workers:   # the batches in flight are saved whole (in_flight.pt): a resume needs no old weights
-            self._drain()
-            state["async"] = {"async_steps": self.async_k, "next_batch": self.next_batch,
-                              "in_flight": {str(b): m for b, m in self.in_flight.items()}}
+            state["async"] = self.ahead.state(self._diverged)
         return state
-
-    def _drain(self) -> None:
-        """Wait for every batch requested so far (all sampled with versions already published)."""
-        for b in sorted(self.in_flight):
-            if b not in self.ready:
-                self.ready[b] = self._take(b)
-
-    def _save_in_flight(self, path: Path) -> None:
-        self._drain()
-        torch.save({str(b): {"gens": [g.tensors() for g in gens], "times": times}
-                    for b, (gens, times) in self.ready.items()}, path / "in_flight.pt")
 
     def restore_extra(self, state: dict, ckpt: Path) -> None:
         self.sampler.restore(state["sampler"])
         self.std_ema = state.get("std_ema")
         if self.critic is not None:
             self.critic.load(ckpt)
-        saved = state.get("async", {"async_steps": 0, "next_batch": self.step + 1, "in_flight": {}})
-        if saved["async_steps"] != self.async_k:   # the batches in flight were sampled on another clock
-            raise ConfigError(f"train.async_steps: {ckpt} was written with train.async_steps={saved['async_steps']}; "
-                              f"resume it with the same value (this run has {self.async_k})")
-        self.next_batch = saved["next_batch"]
-        self.in_flight = {int(b): m for b, m in saved["in_flight"].items()}
-        if self.in_flight:
-            batches = _load_plain(ckpt / "in_flight.pt")
-            self.ready = {int(b): ([Generation(**t) for t in v["gens"]], v["times"]) for b, v in batches.items()}
+        self.ahead.restore(state.get("async"), ckpt, self.step)
 
     def rng_state(self) -> dict:
         return {"generator": self.gen.get_state()}
@@ -865,7 +800,7 @@ class GRPOTrainer(Trainer):
 
     def checkpoint_extra(self):
         writers = [f for f in (self.critic.save if self.critic is not None else None,
-                               self._save_in_flight if self.n_workers else None) if f is not None]
+                               self.ahead.save if self.n_workers else None) if f is not None]
         if not writers:
             return None
         return lambda path: [w(path) for w in writers]

@@ -38,6 +38,11 @@ configuration's own keys and the bench's (output_dir, init_from, max_steps, eval
 For realistic they come after the shape's keys, so rollout.max_new_tokens=16 etc. shrink it; the sizes used
 are in every output line ("sizes").
 
+Paper model (summary "paper_model", per shape with w0): seconds per step at 1 inference device + N training
+devices from w0's per-phase times (one thread each, one after the other): synchronous G + U/N, with
+async_steps >= 1 max(G, U/N) (see paper_model). `--merge A.json B.json --results OUT.json` summarizes
+earlier results files together without running anything.
+
 Output: one JSON line per (shape, configuration, round), then one summary line; all of it is also written
 to --results (bench/results/async_rl.json). A failed run stops the bench with exit status 1 and the run's
 last stderr line. Per run:
@@ -262,6 +267,20 @@ def at_budget(curve: list[list], budget: float) -> float | None:
     return within[-1] if within else None
 
 
+def paper_model(generate_s: float, update_s: float, ns=(1, 2, 4, 8)) -> list[dict]:
+    """Seconds per step at 1 inference device + N training devices, from one device's per-phase times:
+    G (sampling a batch) and U (the trainer's work on it, weight broadcast included). Synchronous, the
+    devices take turns: G + U/N. With async_steps >= 1 they overlap: max(G, U/N). Assumes the update
+    scales linearly over N data-parallel devices and G does not change with N."""
+    out = []
+    for n in ns:
+        sync, ahead = generate_s + update_s / n, max(generate_s, update_s / n)
+        out.append({"training_devices": n, "sync_s": round(sync, 4), "async_s": round(ahead, 4),
+                    "speedup": round(sync / ahead, 3), "bound_by": "inference" if generate_s >= update_s / n
+                    else "training"})
+    return out
+
+
 def summarize(runs: list[dict]) -> dict:
     """Per shape and configuration: medians over rounds; train_s against sync's; the demo's accuracy at
     the smallest train_s any configuration took."""
@@ -293,6 +312,9 @@ def summarize(runs: list[dict]) -> dict:
             for name in names:
                 per[name]["train_s_vs_sync"] = round(per["sync"]["train_s"] / per[name]["train_s"], 3)
         out[shape] = {"configs": per, **({"budget_train_s": round(budget, 2)} if shape == "demo" else {})}
+        if "w0" in per:   # one thread each side, one after the other: each phase's time on one "device"
+            g, u = per["w0"]["phase_s_mean"]["generate"], per["w0"]["phase_s_mean"]["trainer_busy"]
+            out[shape]["paper_model"] = {"generate_s": g, "trainer_busy_s": u, "rows": paper_model(g, u)}
     return out
 
 
@@ -310,8 +332,19 @@ def main() -> int:
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "async_rl.json"),
                     help="where the whole result (runs and summary) is written as JSON")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one grpolab process may take")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="RESULTS",
+                    help="run nothing: merge the runs of earlier --results files, summarize them into --results")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     a = ap.parse_args()
+    if a.merge:
+        parts = [json.loads(Path(f).read_text()) for f in a.merge]
+        runs = [r for p in parts for r in p["runs"]]
+        merged = {"bench": "async_rl", "merged": a.merge, "argv": [p["argv"] for p in parts],
+                  "prepared": {k: v for p in parts for k, v in p.get("prepared", {}).items()}, "runs": runs,
+                  "summary": {"summary": True, **summarize(runs)}}
+        Path(a.results).write_text(json.dumps(merged, indent=1) + "\n")
+        print(json.dumps(merged["summary"]), flush=True)
+        return 0
     configs = [c for c in a.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS] + [o for o in a.overrides if "=" not in o]
     if bad or not configs:

@@ -685,6 +685,7 @@ class GRPOTrainer(Trainer):
             metrics["async/staleness"] = self.step - 1 - batch.weight_version
             metrics["time/rollout_wait"] = stats["time/rollout_wait"]
             metrics["time/worker_idle"] = stats["time/worker_idle"]
+            metrics["time/weight_sync"] = stats["time/weight_sync"]   # the broadcast of this step's version
             if "time/worker_start" in stats:   # the first step of this process (inside its time/step)
                 metrics["time/worker_start"] = stats["time/worker_start"]
         if self.vllm is not None:   # (inside time/generate)

@@ -34,7 +34,8 @@ class Taken:
     gens: list[Generation]          # one per sampling call: the rollout, and ReMax's greedy completions
     version: int                    # the policy that sampled it: the one after this many steps
     epoch: float                    # the prompts' passes before this batch's prompts were drawn
-    times: dict[str, float]         # time/rollout_wait, time/generate, time/worker_idle (and time/worker_start)
+    times: dict[str, float]         # time/rollout_wait, time/weight_sync, time/generate, time/worker_idle (and
+    #                                 time/worker_start on a process's first step)
 
 
 class RolloutsAhead:
@@ -58,9 +59,11 @@ class RolloutsAhead:
         if main and self.pool is None:
             self.pool = start()
             self.start_s = time.perf_counter() - t0
+        t_sync = time.perf_counter()
         if main:
             self.pool.publish(step)
         self.published = step
+        sync_s = time.perf_counter() - t_sync
         while self.next_batch <= min(s + self.k, max_steps):
             b = self.next_batch
             idx, draws, epoch = draw()
@@ -75,7 +78,7 @@ class RolloutsAhead:
         got = (self.ready.pop(s) if s in self.ready else self._take(s, diverged)) if main else None
         gens, times = dist.broadcast_object(got)
         meta = self.in_flight.pop(s)
-        times = {"time/rollout_wait": time.perf_counter() - t1, **times}
+        times = {"time/rollout_wait": time.perf_counter() - t1, "time/weight_sync": sync_s, **times}
         if self.start_s is not None:   # the first step of this process (inside its time/step)
             times["time/worker_start"], self.start_s = self.start_s, None
         return Taken(meta["rows"], gens, meta["version"], meta["epoch"], times)

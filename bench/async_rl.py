@@ -101,7 +101,7 @@ CONFIGS = {   # name -> (trainer threads, rollout workers, worker threads, async
 DEFAULT_STEPS = {"demo": 60, "realistic": 5}
 # OpenMP/MKL settings of the caller's shell would change what train.threads means; grpolab sets its own
 CLEAN = ("OMP_", "GOMP_", "KMP_", "MKL_")
-PHASES = ("generate", "reward", "ref_and_advantages", "update", "rollout_wait", "worker_idle")
+PHASES = ("generate", "reward", "ref_and_advantages", "update", "rollout_wait", "worker_idle", "weight_sync")
 
 
 def config_args(name: str) -> list[str]:

@@ -84,10 +84,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _proc import run_reaped  # (bench/ is on the path when this file runs as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2   # this machine's cores: every configuration uses this many torch threads in all
@@ -122,26 +123,14 @@ def run_grpolab(args: list[str], run_dir: Path, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "grpolab", *args]
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     with open(run_dir / "stdout.txt", "w") as out, open(run_dir / "stderr.txt", "w") as err:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
-        timed_out = False
-        while True:   # reaped here, not by Popen: wait4 gives the process's CPU time
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if not timed_out and time.perf_counter() - t0 > timeout:
-                p.kill()
-                timed_out = True
-            time.sleep(0.05)
-        wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0 or timed_out:
+        code, wall, cpu, timed_out = run_reaped(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, timeout=timeout)
+    if code != 0 or timed_out:
         lines = [x for x in (run_dir / "stderr.txt").read_text(errors="replace").splitlines() if x.strip()]
-        why = f"timed out after {timeout:.0f} s" if timed_out else f"exit status {p.returncode}"
+        why = f"timed out after {timeout:.0f} s" if timed_out else f"exit status {code}"
         print(f"async_rl: {' '.join(args[:1])} in {run_dir} failed ({why}): "
               f"{lines[-1] if lines else '(no stderr)'}", file=sys.stderr, flush=True)
         raise SystemExit(1)
-    return {"process_wall_s": round(wall, 2), "process_cpu_s": round(ru.ru_utime + ru.ru_stime, 2)}
+    return {"process_wall_s": round(wall, 2), "process_cpu_s": round(cpu, 2)}
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -31,8 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _proc import run_reaped  # (bench/ is on the path when this file runs as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("t1", "t0_old", "t0_new")
@@ -63,26 +64,14 @@ def last_losses(out: str) -> dict:
 def run_once(mode: str, args: list[str], condition: str, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(CLEAN)}
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(command(mode, args, out), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        timed_out = False
-        while True:   # reap it ourselves: wait4 gives the child's own CPU time (user + system)
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if not timed_out and time.perf_counter() - t0 > timeout:
-                p.kill()
-                timed_out = True
-            time.sleep(0.05)
-        wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-        row = {"condition": condition, "mode": mode, "wall_s": round(wall, 3),
-               "cpu_s": round(ru.ru_utime + ru.ru_stime, 3)}
+        code, wall, cpu, timed_out = run_reaped(command(mode, args, out), cwd=ROOT, env=env,
+                                                stdout=subprocess.DEVNULL, stderr=err, timeout=timeout)
+        row = {"condition": condition, "mode": mode, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
         if timed_out:
             return {**row, "timed_out": True, "bits": None}
-        if p.returncode != 0:
+        if code != 0:
             err.seek(0)
-            raise SystemExit(f"{mode} failed ({p.returncode}): {err.read().decode(errors='replace')[-2000:]}")
+            raise SystemExit(f"{mode} failed ({code}): {err.read().decode(errors='replace')[-2000:]}")
         return {**row, "bits": last_losses(out)}
 
 

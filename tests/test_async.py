@@ -48,6 +48,15 @@ def _same_run(a, b, drop=("time/", "perf/")):
         (b / "checkpoints" / last / "model.safetensors").read_bytes()
 
 
+def _same_to_rounding(a, b):
+    """The same completions (rewards, lengths exact); what log-probs feed equal to float rounding."""
+    for x, y in zip(_rows(a), _rows(b), strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            exact = key.startswith(("reward", "completions/", "frac_")) or key in ("step", "lr")
+            assert x[key] == (y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)), key
+
+
 def _workers(parent: int) -> list[int]:
     """The rollout worker processes `parent` started (not another run's)."""
     out = subprocess.run(["pgrep", "-P", str(parent), "-f", "grpolab.rollout.worker_process"], capture_output=True,
@@ -107,11 +116,7 @@ def test_k0_with_a_worker_equals_the_synchronous_loop(tmp_path):
     # (computed in smaller batches) equal to float rounding only, so the run is the same up to rounding
     r = run_cli(*_args(tmp_path, two), "--rollout-workers", "2")
     assert r.returncode == 0, r.stderr
-    for a, b in zip(_rows(sync), _rows(two)):
-        assert a.keys() == b.keys()
-        for key in a:
-            exact = key.startswith(("reward", "completions/", "frac_")) or key in ("step", "lr")
-            assert a[key] == (b[key] if exact else pytest.approx(b[key], rel=1e-4, abs=1e-6)), key
+    _same_to_rounding(sync, two)
 
 
 @pytest.mark.slow
@@ -243,11 +248,7 @@ def test_two_trainer_ranks_beside_a_worker_repeat_exactly(tmp_path):
     # the same batches as one trainer process beside the worker: the run equal to float rounding
     one = tmp_path / "one"
     assert run_cli(*_args(tmp_path, one, "train.async_steps=1", steps=4), "--rollout-workers", "1").returncode == 0
-    for x, y in zip(_rows(a), _rows(one)):
-        assert x.keys() == y.keys()
-        for key in x:
-            exact = key.startswith(("reward", "completions/", "frac_")) or key in ("step", "lr")
-            assert x[key] == (y[key] if exact else pytest.approx(y[key], rel=1e-4, abs=1e-6)), key
+    _same_to_rounding(a, one)
 
 
 @pytest.mark.slow

@@ -139,8 +139,9 @@ def test_async_runs_are_bit_identical_and_keep_their_clock(tmp_path, k):
     assert _rows(sync)[k + 1]["loss"] != _rows(a)[k + 1]["loss"]
 
 
-def _kill_midway(tmp_path, out, which):
+def _kill_midway(tmp_path, out, which, workers=1):
     proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *_args(tmp_path, out, "train.async_steps=2",
+                                                                         f"train.rollout_workers={workers}",
                                                                          pause=0.15)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
@@ -182,6 +183,15 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, which):
     assert r.returncode == 0, r.stderr
     assert "resuming from" in r.stdout + r.stderr
     _same_run(straight, resumed)
+
+
+@pytest.mark.slow
+def test_one_dead_worker_of_two_ends_the_run_at_once(tmp_path):
+    code, err, took, workers = _kill_midway(tmp_path, tmp_path / "run", "worker", workers=2)
+    assert code == 2 and took < 10, (code, took, err)
+    assert err.strip().splitlines()[-1].startswith("grpolab: training error: rollout worker "), err
+    assert "was killed by signal 9" in err and "Traceback" not in err
+    assert len(workers) == 2 and not any(_alive(p) for p in workers)   # the other one was stopped too
 
 
 @pytest.mark.slow

@@ -180,13 +180,18 @@ class WorkerPool:
                       "version": parts[0]["version"]}
 
     def close(self) -> None:
-        """Stop the workers (and wait for them); kill any that does not stop within seconds."""
+        """Stop the workers (and wait for them); kill any that does not stop within seconds. After a
+        failure the others are killed at once (they hold nothing a checkpoint needs)."""
         self.closing = True
         if self.failure is None and all(p.poll() is None for p in self.procs):
             try:
                 self.link.send_command(link.STOP)
             except RuntimeError:
                 pass
+        else:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
         for p in self.procs:
             try:
                 p.wait(timeout=10)

@@ -91,6 +91,9 @@ class RolloutsAhead:
                 raise diverged() from None
             raise TrainingError(f"{e}; the run stopped (the last checkpoint is kept: train.resume=auto continues "
                                 f"it)") from None
+        if times["version"] != self.in_flight[b]["version"]:   # the clock's promise, checked on what came back
+            raise TrainingError(f"batch {b} came back sampled with weight version {times['version']}, not "
+                                f"{self.in_flight[b]['version']}; the run stopped")
         return gens, {"time/generate": times["generate_s"], "time/worker_idle": times["idle_s"]}
 
     def close(self) -> None:

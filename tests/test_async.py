@@ -228,6 +228,7 @@ def test_sampler_logprobs_are_those_of_the_version_that_sampled(tmp_path):
             assert gap_current > 100 * max(float(gap_sampler), 1e-6), (step, gap_current)
 
 
+@pytest.mark.slow
 def test_what_rollout_workers_do_not_run_is_one_line(tmp_path):
     r = run_cli(*_args(tmp_path, tmp_path / "a", "train.async_steps=1", "algorithm.dynamic_sampling=true"))
     assert r.returncode == 2 and r.stderr.strip().startswith("grpolab: config error: algorithm.dynamic_sampling:")

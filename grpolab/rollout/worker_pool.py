@@ -25,6 +25,7 @@ from ..errors import TrainingError
 from . import link
 from .generation import Generation, cat_generations
 
+STOPPED = "the run stopped (the last checkpoint is kept: train.resume=auto continues it)"
 POLL_S = 0.2        # how often a waiting trainer looks at its workers' processes
 REAP_S = 3.0        # how long a closed connection may take to show as the worker's exit status
 
@@ -114,16 +115,14 @@ class WorkerPool:
                 if p.poll() is not None:
                     self.failure = self.failure or f"rollout worker {w}"
                     raise TrainingError(f"rollout worker {w} {_exit_reason(p.returncode)}{' ' + when if when else ''}"
-                                        f"; the run stopped (the last checkpoint is kept: train.resume=auto "
-                                        f"continues it)")
+                                        f"; {STOPPED}")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
 
     def _lost(self) -> None:
         self._check_processes(wait=REAP_S)
-        raise TrainingError(f"{self.failure} stopped answering; the run stopped (the last checkpoint is kept: "
-                            f"train.resume=auto continues it)")
+        raise TrainingError(f"{self.failure} stopped answering; {STOPPED}")
 
     def _send(self, fn, *args, **kw) -> None:
         """A broadcast to the workers; a dead one turns the gloo error into the one line."""

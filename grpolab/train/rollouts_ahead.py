@@ -22,7 +22,7 @@ from .. import distributed as dist
 from ..errors import ConfigError, TrainingError
 from ..models.checkpoint import _load_plain
 from ..rollout.generation import Generation
-from ..rollout.worker_pool import WorkerError, WorkerPool, weight_version
+from ..rollout.worker_pool import STOPPED, WorkerError, WorkerPool, weight_version
 
 IN_FLIGHT = "in_flight.pt"
 
@@ -45,7 +45,6 @@ class RolloutsAhead:
         self.next_batch = 1                      # the next batch to request (batch t: the batch of step t)
         self.in_flight: dict[int, dict] = {}     # requested, not yet trained on: rows, version, epoch
         self.ready: dict[int, tuple] = {}        # arrived before they were needed (or from a checkpoint)
-        self.published = -1                      # the last weight version given to the workers
         self.start_s: float | None = None        # seconds to start the workers and ship the model
 
     def take(self, step: int, max_steps: int, start: Callable[[], WorkerPool],
@@ -61,15 +60,14 @@ class RolloutsAhead:
             self.start_s = time.perf_counter() - t0
         t_sync = time.perf_counter()
         if main:
-            self.pool.publish(step)
-        self.published = step
+            self.pool.publish(step)   # the policy after step s-1: from here on the newest version the workers hold
         sync_s = time.perf_counter() - t_sync
         while self.next_batch <= min(s + self.k, max_steps):
             b = self.next_batch
             idx, draws, epoch = draw()
             # (a finished run resumed with a larger train.max_steps never sampled the batches past its old
             # end: they get the policy it ended with, the oldest one still there)
-            v = max(weight_version(b, self.k), self.published)
+            v = max(weight_version(b, self.k), step)
             if main:
                 self.pool.request(b, v, calls(idx, draws))
             self.in_flight[b] = {"rows": idx, "version": v, "epoch": epoch}
@@ -89,8 +87,7 @@ class RolloutsAhead:
         except WorkerError as e:
             if e.reason == "nonfinite":
                 raise diverged() from None
-            raise TrainingError(f"{e}; the run stopped (the last checkpoint is kept: train.resume=auto continues "
-                                f"it)") from None
+            raise TrainingError(f"{e}; {STOPPED}") from None
         if times["version"] != self.in_flight[b]["version"]:   # the clock's promise, checked on what came back
             raise TrainingError(f"batch {b} came back sampled with weight version {times['version']}, not "
                                 f"{self.in_flight[b]['version']}; the run stopped")

@@ -446,6 +446,11 @@ class TrainConfig:
                                   "fsdp (FSDP2: parameters, gradients and optimizer state sharded over the ranks; "
                                   "see docs/scaling.md). One process: no effect")
 
+    @property
+    def worker_count(self) -> int:
+        """The rollout worker processes a run starts: rollout_workers, or 1 when async_steps alone asks for them."""
+        return self.rollout_workers or (1 if self.async_steps else 0)
+
 
 @dataclass
 class LogConfig:

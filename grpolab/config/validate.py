@@ -409,7 +409,7 @@ def _async(cfg: Config) -> None:
     for k in ("async_steps", "rollout_workers", "worker_threads"):
         need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
     need(t.worker_threads <= max_threads(), f"train.worker_threads: {t.worker_threads} is more than {max_threads()}")
-    if not (t.async_steps or t.rollout_workers):
+    if not t.worker_count:
         return
     fix = "or set train.async_steps=0 and train.rollout_workers=0 (rollouts in the trainer's process)"
     need(not cfg.algorithm.dynamic_sampling,

@@ -132,13 +132,12 @@ class GRPOTrainer(Trainer):
                          source=cfg.data.train_path or f"data.task={cfg.data.task}")
         # rollout.engine=vllm: a vLLM engine in this process, given the policy's weights before each rollout
         # (with rollout workers, the workers hold it: rollout/worker_process.py)
-        self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" and not (
-            cfg.train.async_steps or cfg.train.rollout_workers) else None
+        self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" and not cfg.train.worker_count else None
         self.sync_time = 0.0   # seconds this step spent giving the vLLM engine the policy's weights
         # train.async_steps / rollout_workers: batches sampled ahead by worker processes (rollout/worker_pool.py),
         # started at the first step (after a resume has put back the weights and the batches in flight)
         t = cfg.train
-        self.n_workers = t.rollout_workers or (1 if t.async_steps else 0)
+        self.n_workers = t.worker_count
         self.ahead = RolloutsAhead(t.async_steps, self.n_workers, self.world, tokenizer.pad_id)
         self.worker_times: dict[str, float] = {}   # this step's: the wait, the worker's sampling and idle time
         if t.async_steps and a.rollout_correction == "none" and console is not None and self.world.main:
@@ -185,8 +184,7 @@ class GRPOTrainer(Trainer):
         problem = dist.check_world(self.world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
-        workers = cfg.train.async_steps or cfg.train.rollout_workers
-        if cfg.rollout.engine == "vllm" and not workers:   # vLLM in this process sets up a world of its own
+        if cfg.rollout.engine == "vllm" and not cfg.train.worker_count:   # vLLM here sets up a world of its own
             raise ConfigError("rollout.engine: vllm runs in one process for now; drop --nproc or use "
                               "rollout.engine=builtin")
         if cfg.algorithm.adv_estimator in TOKEN_ESTIMATORS:

@@ -582,8 +582,8 @@ def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
         model.load_state_dict(loaded.state_dict())
     if ref_model is not None:
         load_ref_weights(p, ref_model)
-    opt = _load_plain(p / "optimizer.pt")
-    rng = _load_plain(p / "rng.pt")
+    opt = load_plain(p / "optimizer.pt")
+    rng = load_plain(p / "rng.pt")
     trainer = _read_json(p / "trainer_state.json")
     if not isinstance(opt, dict) or "optimizer" not in opt or not isinstance(rng, dict) or "torch" not in rng:
         bad = "optimizer.pt" if not isinstance(opt, dict) or "optimizer" not in opt else "rng.pt"
@@ -592,7 +592,7 @@ def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
             "master": opt.get("master")}
 
 
-def _load_plain(path: Path):
+def load_plain(path: Path) -> object:
     """torch.load with weights_only=True: tensors and plain containers only, so loading a
     checkpoint can never run code pickled into it."""
     try:

@@ -11,7 +11,7 @@ from safetensors.torch import load_model as load_safetensors_model
 from safetensors.torch import save_model
 
 from ..algorithms.losses import explained_variance, value_loss
-from ..models.checkpoint import _load_plain, load_model
+from ..models.checkpoint import load_model, load_plain
 from ..models.value_head import Critic
 
 
@@ -81,6 +81,6 @@ class CriticTrainer:
 
     def load(self, path: Path) -> None:
         load_safetensors_model(self.model, str(path / "critic.safetensors"))
-        state = _load_plain(path / "critic_optimizer.pt")
+        state = load_plain(path / "critic_optimizer.pt")
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])

@@ -20,7 +20,7 @@ import torch
 
 from .. import distributed as dist
 from ..errors import ConfigError, TrainingError
-from ..models.checkpoint import _load_plain
+from ..models.checkpoint import load_plain
 from ..rollout.generation import Generation
 from ..rollout.worker_pool import STOPPED, WorkerError, WorkerPool, weight_version
 
@@ -122,5 +122,5 @@ class RolloutsAhead:
         self.next_batch = saved["next_batch"]
         self.in_flight = {int(b): m for b, m in saved["in_flight"].items()}
         if self.in_flight:
-            batches = _load_plain(ckpt / IN_FLIGHT)
+            batches = load_plain(ckpt / IN_FLIGHT)
             self.ready = {int(b): ([Generation(**t) for t in v["gens"]], v["times"]) for b, v in batches.items()}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import grpolab  # noqa: F401  (before torch: OpenMP reads OMP_WAIT_POLICY when torch loads it)
+from grpolab.models.logprobs import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -34,6 +35,31 @@ def tiny_gpt(tok):
     from grpolab.models import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=96)).eval()
+
+
+def overfit(model, batch: dict, steps: int, lr: float = 1e-2):
+    """Train `model` on a collated SFT batch (grpolab.data.supervised.collate: its loss mask leaves tool
+    outputs out, as SFT does) with AdamW for `steps` steps, until it writes the completions greedily;
+    returns it in eval mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        logp = token_logprobs(model, batch["ids"], batch["valid"])
+        loss = -(logp * batch["loss"][:, 1:]).sum() / batch["loss"][:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def wait_for_rows(metrics: Path, n: int, proc=None, timeout: float = 300, poll: float = 0.02) -> None:
+    """Wait until a run's metrics.jsonl holds at least `n` rows (or `proc`, when given, has exited, or
+    `timeout` seconds have passed): the moment a test interrupts a run part-way."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (proc is None or proc.poll() is None):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(poll)
 
 
 def run_cli(*args, cwd=None, timeout=600):

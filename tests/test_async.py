@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, wait_for_rows
 from test_grpo import TINY, make_trainer
 
 from grpolab.algorithms.rollout_correction import rollout_correction
@@ -144,12 +144,7 @@ def _kill_midway(tmp_path, out, which, workers=1):
                                                                          f"train.rollout_workers={workers}",
                                                                          pause=0.15)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
+    wait_for_rows(out / "metrics.jsonl", 3, proc)
     workers = _workers(proc.pid)
     assert workers, "no rollout worker is running"
     killed = time.time()
@@ -272,9 +267,7 @@ def test_ctrl_c_saves_the_batches_in_flight_and_the_resume_is_exact(tmp_path):
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     metrics = stopped / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.02)
+    wait_for_rows(metrics, 3)
     workers = _workers(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)

@@ -7,7 +7,7 @@ import sys
 import dist_cases
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, wait_for_rows
 from test_grpo import TINY
 
 
@@ -232,15 +232,12 @@ def test_two_launchers_as_two_machines(tmp_path):
 def _start_long_run(out, rank=1):
     """A 2-rank run that would go on for hours, once it has written 3 steps; (launcher, `rank`'s pid)."""
     import os
-    import time
     args = _small(out, "train.max_steps=100000", "sft.steps=5")
     # its own session: a signal to the process group reaches the launcher and the ranks, as Ctrl-C in a terminal
     launcher = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", "--nproc", "2", *args], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
+    wait_for_rows(metrics, 3, timeout=120, poll=0.2)
     assert metrics.exists(), launcher.communicate(timeout=60)
 
     def rank_of(pid):

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, wait_for_rows
 from test_grpo import TINY
 
 # A slow reward (0.3 s per step) so the test can kill the run between steps reliably.
@@ -43,11 +43,7 @@ def test_sigkill_then_resume_gives_identical_metrics(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *_args(tmp_path, resumed)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = resumed / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
+    wait_for_rows(metrics, 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = len(metrics.read_text().splitlines())
@@ -68,9 +64,7 @@ def test_sigint_saves_a_checkpoint_and_exits(tmp_path):
                              "train.save_every=0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        time.sleep(0.02)
+    wait_for_rows(metrics, 1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import penalized, run_cli
+from conftest import overfit, penalized, run_cli
 from test_grpo import make_trainer
 
 from grpolab.config.load import load_config
@@ -186,18 +186,9 @@ def caller():
     """A tiny GPT trained here to write SCRIPT after the prompt 'one' (the tool's output masked out of the
     loss, as SFT does), so its greedy decode calls the calculator."""
     from grpolab.data.supervised import collate, encode
-    from grpolab.models.logprobs import token_logprobs
     torch.manual_seed(0)
     m = GPT(GPTConfig(TOK.vocab_size, n_layer=1, n_head=2, n_embd=64, block_size=128))
-    b = collate([encode(TOK, {"prompt": "one", "completion": SCRIPT})], TOK.pad_id)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    for _ in range(200):
-        logp = token_logprobs(m, b["ids"], b["valid"])
-        loss = -(logp * b["loss"][:, 1:]).sum() / b["loss"][:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return m.eval()
+    return overfit(m, collate([encode(TOK, {"prompt": "one", "completion": SCRIPT})], TOK.pad_id), 200)
 
 
 def test_with_tools_a_tools_output_counts_as_context_like_the_prompt(caller):

@@ -15,7 +15,7 @@ import sys
 import openai
 import pytest
 import torch
-from conftest import ROOT, running_server
+from conftest import ROOT, overfit, running_server
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
@@ -23,7 +23,6 @@ from grpolab.data.supervised import Example, collate, encode
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.checkpoint import save_checkpoint
 from grpolab.models.hf import HFTokenizer, load_hf
-from grpolab.models.logprobs import token_logprobs
 from grpolab.models.tiny_hf import build_tokenizer, save_tiny_model
 from grpolab.rollout.tool_formats import BuiltinFormat, tool_format
 from grpolab.rollout.tools import CallRecord, load_tools
@@ -48,20 +47,6 @@ def _after_call(model: str, result: str = "408") -> ChatRequest:
         {"role": "tool", "tool_call_id": "c1", "content": result}])
 
 
-def _sft(model, rows, steps, lr):
-    """Train `model` on (ids, loss mask) rows until it writes them greedily."""
-    b = collate(rows, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        logp = token_logprobs(model, b["ids"], b["valid"])
-        loss = -(logp * b["loss"][:, 1:]).sum() / b["loss"][:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def builtin_server(tmp_path_factory):
     """The built-in GPT trained on rollouts as the tools demo writes them (call, engine's result, answer)."""
@@ -70,7 +55,7 @@ def builtin_server(tmp_path_factory):
     model = GPT(GPTConfig(tok.vocab_size, n_layer=2, n_head=2, n_embd=64, block_size=128))
     rows = [encode(tok, {"prompt": Q, "completion": "<|call|>calculator 12*34<|/call|><|out|>408<|/out|>It is 408."}),
             encode(tok, {"prompt": "Hi", "completion": "Hello."})]
-    _sft(model, rows, 300, 1e-2)
+    overfit(model, collate(rows, 0), 300, 1e-2)
     ckpt = save_checkpoint(tmp_path_factory.mktemp("serve_tools") / "checkpoints", 0, model, tokenizer=tok)
     with running_server(ckpt, "--name", "gpt") as (url, proc):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -91,7 +76,7 @@ def hf_model(tmp_path_factory):
     rows = [Example(prompt + call + result + answer,
                     [False] * len(prompt) + [True] * len(call) + [False] * len(result) + [True] * len(answer)),
             Example(hi + hello, [False] * len(hi) + [True] * len(hello))]
-    _sft(model, rows, 150, 3e-3)
+    overfit(model, collate(rows, 0), 150, 3e-3)
     model.hf.save_pretrained(str(d), safe_serialization=True)
     return d, prompt + call + result
 

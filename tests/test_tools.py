@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import overfit
 
 from grpolab.errors import ConfigError, ToolCallError
 from grpolab.models import GPT, CharTokenizer, GPTConfig
@@ -86,22 +87,12 @@ def scripted():
     """A tiny GPT that greedily writes SCRIPTS[prompt] (trained here on exactly those completions,
     tool outputs masked out of the loss as SFT does)."""
     from grpolab.data.supervised import Example, collate, encode
-    from grpolab.models.logprobs import token_logprobs
     tok = CharTokenizer()
     torch.manual_seed(0)
     model = GPT(GPTConfig(tok.vocab_size, n_layer=2, n_head=2, n_embd=64, block_size=192))
     ex = [encode(tok, {"prompt": p, "completion": c}) for p, c in SCRIPTS.items()]
     assert all(isinstance(e, Example) for e in ex)
-    b = collate(ex, tok.pad_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(300):
-        logp = token_logprobs(model, b["ids"], b["valid"])
-        loss = -(logp * b["loss"][:, 1:]).sum() / b["loss"][:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval(), tok
+    return overfit(model, collate(ex, tok.pad_id), 300), tok
 
 
 @pytest.fixture

@@ -341,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.debug and _torch_write_failed(e):   # torch.save's writer hides the OS error
             _error(f"error: writing a file failed ({' '.join(str(e).split())[:200]}); is the disk full?")
             return 2
+        if not args.debug and _no_deterministic_kernel(e):
+            _error(f"error: a CUDA op has no deterministic kernel ({str(e).strip().splitlines()[0][:160]}); "
+                   f"train.cuda_deterministic=false runs it (and runs then differ from run to run)")
+            return 2
         if args.debug or not _lost_a_rank(e):
             raise
         # the rank that failed says why, and the launcher names it; this one just says it stopped
@@ -406,6 +410,11 @@ def _torch_write_failed(e: RuntimeError) -> bool:
     file ...' or 'unexpected pos ...'."""
     text = str(e)
     return "PytorchStreamWriter failed" in text or "unexpected pos" in text
+
+
+def _no_deterministic_kernel(e: RuntimeError) -> bool:
+    """torch's strict deterministic mode (train.cuda_deterministic) refusing an op that has no deterministic kernel."""
+    return "does not have a deterministic implementation" in str(e)
 
 
 def _lost_a_rank(e: RuntimeError) -> bool:

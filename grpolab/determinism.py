@@ -13,8 +13,8 @@ machine than on an idle one, even with the same seed:
 
 `pin_cpu_numerics` fixes both. On CUDA, `pin_cuda_numerics` asks torch for its deterministic kernels:
 without them the demo's two runs on an H200 differed from the first step (an embedding's backward adds
-its rows' gradients with atomics, in whatever order the threads arrive); with them they were
-bit-identical (bench/gpu_check.sh, docs/determinism.md).
+its rows' gradients with atomics, in whatever order the threads arrive); docs/determinism.md has what
+was measured (bench/gpu.py).
 
 What is guaranteed: the same config and seed on the same machine
 type, with the same torch/MKL build and thread count, give the same bits, idle or busy. What is
@@ -35,7 +35,6 @@ no arithmetic: the bits are the same (tests/test_threads.py; bench/threads.py me
 from __future__ import annotations
 
 import os
-import warnings
 
 # Read by MKL at its first call, so it is set when grpolab is imported (grpolab/__init__.py);
 # a value the user exported wins.
@@ -54,17 +53,16 @@ def set_reproducible_env() -> None:
 
 
 def pin_cuda_numerics() -> None:
-    """CUDA's deterministic kernels: `torch.use_deterministic_algorithms` (an op with none warns instead
-    of failing) and cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts, so set
-    before the first product; a value the user exported wins)."""
+    """CUDA's deterministic kernels: `torch.use_deterministic_algorithms` in its strict form, and cuBLAS's
+    fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts, so set before the first product; a
+    value the user exported wins). Strict, because in the warn-only form torch keeps the non-deterministic
+    backward of flash and memory-efficient attention (it only warns), which made two bf16 runs of a
+    SmolLM2-shaped model differ; strict, they take their deterministic algorithms, and an op that has
+    none raises instead of running (jobs turn that into one line naming train.cuda_deterministic)."""
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    # its warning for attention's backward (memory-efficient / cuDNN kernels): on an H200 the runs were
-    # bit-identical all the same (bench/gpu_check.sh); the warning would print in every run
-    # (`message` matches case-insensitively: "Memory Efficient attention ..." and "cuDNN Attention ...")
-    warnings.filterwarnings("ignore", message=".*attention defaults to a non-deterministic algorithm")
+    torch.use_deterministic_algorithms(True)
 
 
 def pin_cpu_numerics(threads: int = 0) -> int:

@@ -228,6 +228,10 @@ class RolloutConfig:
                                      "(preallocated KV cache, fused projections, LoRA adapters merged; same logits); "
                                      "false = the model's own forward with its DynamicCache. Other models (and DoRA "
                                      "or embedding adapters) always use the latter")
+    cuda_graph: bool = option(True, "on CUDA, the built-in GPT and HF llama/mistral/qwen2/qwen3 models sample through "
+                                    "the slotted decode: a preallocated KV cache, the decode step replayed as a CUDA "
+                                    "graph, each completion independent of its batch (docs/gpu.md); false = the eager "
+                                    "engine. Rollouts with tools or penalties always use the latter")
     ignore_eos: bool = option(False, "rollouts never stop at the stop token: every completion runs to max_new_tokens "
                                      "(benchmarks; a sampled stop token is then an ordinary token; eval still stops)")
     tools: list = option(factory=list, help="tools the model may call mid-completion (rollouts and eval): calculator "

@@ -123,13 +123,15 @@ def check_finite(logps: torch.Tensor, counted: torch.Tensor) -> None:
 def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens: int, temperature: float,
            top_k: int, top_p: float, stop_ids: tuple[int, ...], pad_id: int, generator: torch.Generator | None,
            keys: torch.Tensor | None, *, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK,
-           tools=None, penalties: Penalties | None = None) -> Generation:
+           tools=None, penalties: Penalties | None = None, budgets: torch.Tensor | None = None,
+           on_tokens=None) -> Generation:
     """Prefill, then sample up to `max_new_tokens` tokens per row (see `engine.generate` for the
     arguments). `tools` (a `tool_decode.ToolSession`): its rows may have tool results fed to them;
     those positions count toward `tools.length` (the positions model and tools fill together), not
     toward `max_new_tokens`, and get the log-prob 0 and the tool mask."""
     device = next(model.parameters()).device
     keys = keys.to(device) if keys is not None else None
+    budgets = budgets.to(device) if budgets is not None else None
     L = tools.length if tools is not None else max_new_tokens   # completion positions: sampled + fed
     pre = prefill(model, prompts, num_generations, L, pad_id, prefill_chunk)
     cache, logits = pre.cache, pre.logits
@@ -155,6 +157,8 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
             logits = proc.apply(logits, rows, n_sampled[rows])
         if logits_hook is not None:
             logits = logits_hook(logits, t, rows)
+        if on_tokens is not None:
+            on_tokens(rows.numel())
         tok, lp = sample_next(logits, temperature, top_k, top_p, generator, u)
         is_fed = tools.feed(t, tok, lp) if tools is not None else None   # overrides tok, lp in place
         out[rows, t], logps[rows, t] = tok, lp
@@ -165,6 +169,8 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
         if proc is not None:
             proc.record(rows, tok, live, None if is_fed is None else is_fed & ~done)
         no_room = (n_sampled[rows] >= max_new_tokens) | (t == L - 1)   # nothing more can follow this token
+        if budgets is not None:
+            no_room |= n_sampled[rows] >= budgets[rows]
         is_call = tools.calls(t, out, tok, live & ~no_room) if tools is not None else None
         stop_now = torch.isin(tok, stops) & live
         finished = stop_now | (live & no_room)

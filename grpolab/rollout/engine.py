@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from . import slot_decode
 from .core import PREFILL_CHUNK, Penalties, decode
 from .generation import Generation
 from .tool_decode import ToolSession
@@ -22,7 +23,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
              stop_ids: tuple[int, ...] = (), pad_id: int = 0,
              generator: torch.Generator | None = None, keys: torch.Tensor | None = None,
              tools=None, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK, repetition_penalty: float = 1.0,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0) -> Generation:
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
+             budgets: torch.Tensor | None = None, on_tokens=None, slots: bool | None = None) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
@@ -37,24 +39,41 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     `prefill_chunk`: prompt positions per prefill forward (0: the whole prompt in one); the same values.
     `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`: vLLM's SamplingParams
     fields (core.Penalties), applied before `logits_hook`; at their defaults nothing is processed.
+    `budgets` (num_prompts * G,): each row's own token cap, at most max_new_tokens (vLLM's per-request
+    max_tokens). `on_tokens(n)`: told how many tokens were sampled, as they are (a progress count).
+    `slots`: sample through the slotted decode (slot_decode.py: CUDA graphs on a GPU); None: wherever it
+    applies, i.e. on CUDA (unless the model's `cuda_graph` attribute is False, rollout.cuda_graph), for the
+    built-in GPT and Llama-family HF models, keyed or greedy sampling, no tools, penalties or logits_hook.
     """
     if logits_hook is not None and tools is not None:
         raise ValueError("logits_hook is not supported together with tools")
     if keys is not None and keys.numel() != len(prompts) * num_generations:
         raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {num_generations} generations")
+    pen = Penalties(repetition_penalty, presence_penalty, frequency_penalty, min_tokens)
+    if slots is None:
+        slots = (next(model.parameters()).device.type == "cuda" and getattr(model, "cuda_graph", True)
+                 and tools is None and logits_hook is None and not pen.active and (keys is not None or temperature <= 0)
+                 and slot_decode.why_not(model, prompts, max_new_tokens) is None)
+    if slots:
+        out = slot_decode.generate(model, prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
+                                   pad_id=pad_id, keys=keys, budgets=budgets, on_tokens=on_tokens)
+        return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
     with torch.inference_mode():
         session = None if tools is None else ToolSession(tools, len(prompts) * num_generations, max_new_tokens,
                                                           next(model.parameters()).device)
         out = decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
                      generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session,
-                     penalties=Penalties(repetition_penalty, presence_penalty, frequency_penalty, min_tokens))
+                     penalties=pen, budgets=budgets, on_tokens=on_tokens)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
 
 
-def sample(model, prompts: list[list[int]], *, engine=None, tools=None, logits_hook=None, **kw) -> Generation:
+def sample(model, prompts: list[list[int]], *, engine=None, tools=None, logits_hook=None, on_tokens=None,
+           **kw) -> Generation:
     """`generate` on `model`, or, given an `engine` (rollout/vllm_engine.VLLMEngine holding `model`'s
-    weights), the same call on that engine; `tools` and `logits_hook` are the built-in engine's alone."""
+    weights), the same call on that engine; `tools`, `logits_hook` and `on_tokens` are the built-in
+    engine's alone."""
     if engine is None:
-        return generate(model, prompts, tools=tools, logits_hook=logits_hook, **kw)
+        return generate(model, prompts, tools=tools, logits_hook=logits_hook, on_tokens=on_tokens, **kw)
     return engine.generate(prompts, **kw)

@@ -82,6 +82,7 @@ class GRPOTrainer(Trainer):
             dist.broadcast_parameters(model)   # every rank starts from rank 0's policy, bit for bit
         if hasattr(model, "lean_decode"):   # Hugging Face policies: which sampling path to use
             model.lean_decode = cfg.rollout.lean_decode
+        model.cuda_graph = cfg.rollout.cuda_graph   # on CUDA: the slotted decode (rollout/slot_decode.py) or not
         if cfg.model.gradient_checkpointing:
             set_gradient_checkpointing(model, True)
         # progress inside a long step (phase, rows, tokens/s) on rank 0's console; only rank 0 writes files
@@ -242,11 +243,11 @@ class GRPOTrainer(Trainer):
         idx, draws, _ = self._draw()   # (collect() took the epoch before the step's first round)
         self.model.eval()
         self.progress.start_phase("rollout", len(idx) * self.cfg.rollout.num_generations)
-        # counts the tokens as they are sampled, for the progress line (the logits pass through untouched)
-        hook = self._count_tokens if self.progress.on and self.tools is None else None
+        # counts the tokens as they are sampled, for the progress line
+        count = self._count_tokens if self.progress.on and self.tools is None else None
         try:
             with sharding.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gens = [self._sample(c.pop("prompts"), logits_hook=hook if i == 0 else None, **c)
+                gens = [self._sample(c.pop("prompts"), on_tokens=count if i == 0 else None, **c)
                         for i, c in enumerate(self._sampling_calls(idx, draws))]
         except NonFiniteLogits:
             raise self._diverged() from None
@@ -295,10 +296,9 @@ class GRPOTrainer(Trainer):
             greedy=None if greedy is None else [self.tok.decode(x) for x in greedy for _ in range(G)],
             greedy_ids=None if greedy is None else [x for x in greedy for _ in range(G)], weight_version=version)
 
-    def _count_tokens(self, logits: torch.Tensor, t: int, rows: torch.Tensor) -> torch.Tensor:
-        """generate()'s logits hook: counts the rows sampling a token now; returns the logits as they are."""
-        self.progress.add(tokens=rows.numel())
-        return logits
+    def _count_tokens(self, n: int) -> None:
+        """generate()'s on_tokens: n more tokens sampled."""
+        self.progress.add(tokens=n)
 
     def _reward_name(self, spec: str) -> str:
         """The metric name of a reward column: the configured functions' unique names, else e.g. 'overlong'."""

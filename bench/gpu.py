@@ -1,0 +1,349 @@
+"""grpolab on one NVIDIA GPU: rollout decode against transformers' `generate`, batch independence and
+run-to-run exactness of the graph path, a GRPO step's split, and two identical GRPO runs plus a resume.
+
+Random weights (timing and exactness do not need trained ones) in bfloat16, two model shapes:
+  * smollm2: SmolLM2-135M-Instruct's own config.json (30 layers, GQA 9/3, tied head) and, for the GRPO
+    runs, its real tokenizer and chat template (--assets: the folder with those small files);
+  * qwen1.5b: Qwen2.5-1.5B's shape as a Llama config (28 layers, hidden 1536, GQA 12/2, MLP 8960,
+    vocab 151,936, tied head).
+Decode: 16 prompts of 128 random token ids x 8 samples, temperature 1, in two regimes: fixed (exactly
+256 new tokens per row) and RL-like (row r stops at 16 + 240 u^3 tokens, the longest set to 256: our
+engines through per-row budgets, HF's through a logits processor that forces the end token then). Three
+engines alternate after a warm-up: `graph` (the slotted decode with CUDA graphs, rollout/slot_decode.py),
+`eager` (the pre-graph engine: rollout/core.py with the lean decode path) and `hf` (model.generate).
+Tokens/s count the tokens each row keeps. `ms_per_step` is a fixed-length run's wall time over its 256
+steps (prefill included); `floor_ms` is the memory-bandwidth floor of one step at the batch's mean
+context (weights + the KV cache read once at the card's peak bandwidth), `of_floor` their ratio.
+
+    python bench/gpu.py --out DIR [--assets DIR] [--sections env,invariance,decode,grpo] [--runs 2]
+
+One JSON object per line on stdout and in DIR/gpu.jsonl. Needs a CUDA device; never run by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from grpolab.models.hf import HFPolicy  # noqa: E402
+from grpolab.rollout.engine import generate  # noqa: E402
+from grpolab.rollout.keys import completion_keys  # noqa: E402
+
+PEAK_BW = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100": 2.0e12}
+PROMPTS, SAMPLES, PROMPT_LEN, NEW = 16, 8, 128, 256
+OUT: Path | None = None
+
+
+def emit(rec: dict) -> None:
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if OUT is not None:
+        with open(OUT / "gpu.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def peak_bw() -> float:
+    name = torch.cuda.get_device_name()
+    return next((bw for k, bw in PEAK_BW.items() if k in name), 3.35e12)
+
+
+def qwen_config():
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=32768,
+                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=151643,
+                       bos_token_id=None, pad_token_id=None)
+
+
+def smollm2_config(assets: Path):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(assets)
+
+
+def random_model(cfg):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return m.eval()
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def rl_lengths(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g)
+    L = (16 + (NEW - 16) * u ** 3).long()
+    L[int(L.argmax())] = NEW
+    return L
+
+
+def ours(policy, prompts, lengths, eos, slots):
+    n = len(prompts)
+    keys = completion_keys(0, torch.arange(n).repeat_interleave(SAMPLES), torch.arange(SAMPLES).repeat(n))
+    g = generate(policy, prompts, num_generations=SAMPLES, max_new_tokens=NEW, temperature=1.0, stop_ids=(),
+                 pad_id=eos, keys=keys, budgets=lengths, slots=slots)
+    return int(g.completion_mask.sum())
+
+
+def hf_generate(model, prompts, lengths, eos):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ids = torch.tensor(prompts, device=model.device)
+    P = ids.size(1)
+
+    class Force(LogitsProcessor):   # row r: the end token impossible before lengths[r], certain at it
+        def __init__(self):
+            self.L = lengths.to(model.device) if lengths is not None else None
+
+        def __call__(self, input_ids, scores):
+            if self.L is None:
+                scores[:, eos] = float("-inf")
+                return scores
+            t = input_ids.size(1) - P
+            at = self.L - 1 == t
+            scores[:, eos] = torch.where(self.L - 1 > t, float("-inf"), scores[:, eos])
+            scores[at] = float("-inf")
+            scores[at, eos] = 0.0
+            return scores
+
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                         top_p=1.0, max_new_tokens=NEW, num_return_sequences=SAMPLES,
+                         logits_processor=LogitsProcessorList([Force()]), eos_token_id=eos, pad_token_id=eos)
+    comp = out[:, P:]
+    if lengths is None:
+        return comp.numel()
+    got = (((comp == eos).int().cumsum(-1) == 0).sum(-1) + 1).clamp(max=NEW)   # up to the first end token
+    assert torch.equal(got.cpu(), lengths), "HF lengths differ from the forced ones"
+    return int(lengths.sum())
+
+
+def bytes_per_step(model, rows: int, mean_ctx: float) -> float:
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())   # a tied head is counted once
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2 * rows * mean_ctx
+    return weights + kv
+
+
+def section_decode(args):
+    shapes = {"smollm2": lambda: smollm2_config(args.assets), "qwen1.5b": qwen_config}
+    for shape in args.shapes.split(","):
+        model = random_model(shapes[shape]())
+        policy = HFPolicy(model)
+        eos = model.config.eos_token_id
+        eos = int(eos if isinstance(eos, int) else eos[0])
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(100, model.config.vocab_size - 1, (PROMPTS, PROMPT_LEN), generator=g).tolist()
+        for regime in ("fixed", "rl"):
+            lengths = None if regime == "fixed" else rl_lengths(PROMPTS * SAMPLES)
+            engines = {"graph": lambda: ours(policy, prompts, lengths, eos, True),
+                       "eager": lambda: ours(policy, prompts, lengths, eos, False),
+                       "hf": lambda: hf_generate(model, prompts, lengths, eos)}
+            for k, fn in list(engines.items()):   # warm-up (graph capture, Triton compile, cuBLAS handles)
+                try:
+                    fn()
+                except Exception as e:   # one engine's failure must not cost the others' figures
+                    emit({"section": "decode", "shape": shape, "regime": regime, "engine": k,
+                          "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
+                    del engines[k]
+            times = {k: [] for k in engines}
+            toks = {}
+            for _ in range(args.runs):
+                for k, fn in engines.items():
+                    toks[k], s = timed(fn)
+                    times[k].append(s)
+            rec = {"section": "decode", "shape": shape, "regime": regime, "rows": PROMPTS * SAMPLES,
+                   "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
+            for k in engines:
+                med = statistics.median(times[k])
+                rec[f"{k}_tok_s"] = round(toks[k] / med)
+                rec[f"{k}_s"] = round(med, 4)
+            if regime == "fixed":
+                floor = bytes_per_step(model, PROMPTS * SAMPLES, PROMPT_LEN + NEW / 2) / peak_bw() * 1e3
+                rec["floor_ms"] = round(floor, 3)
+                for k in engines:
+                    ms = rec[f"{k}_s"] / NEW * 1e3
+                    rec[f"{k}_ms_per_step"] = round(ms, 3)
+                    rec[f"{k}_of_floor"] = round(floor / ms, 3)
+            for other in ("hf", "eager"):
+                if "graph" in engines and other in engines:
+                    rec[f"graph_over_{other}"] = round(rec["graph_tok_s"] / rec[f"{other}_tok_s"], 2)
+            emit(rec)
+        model = policy = engines = None   # freed before the next shape
+        torch.cuda.empty_cache()
+
+
+def _gen(policy, prompts, G, keys, L, eos):
+    return generate(policy, prompts, num_generations=G, max_new_tokens=L, temperature=1.0, stop_ids=(eos,),
+                    pad_id=eos, keys=keys, slots=True)
+
+
+def _rows_equal(a, i, b, j) -> bool:
+    m, n = a.completion_mask[i], b.completion_mask[j]
+    return (torch.equal(a.completion_ids[i][m], b.completion_ids[j][n])
+            and torch.equal(a.sampler_logprobs[i][m], b.sampler_logprobs[j][n]))
+
+
+def invariance(policy, vocab: int, eos: int, label: str, L: int = 96) -> dict:
+    """Rows alone, in a smaller batch and in the full batch (graph path): the same tokens and log-probs."""
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(8, 60, (PROMPTS,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in lens]
+    keys = completion_keys(7, torch.arange(PROMPTS).repeat_interleave(SAMPLES),
+                           torch.arange(SAMPLES).repeat(PROMPTS))
+    full = _gen(policy, prompts, SAMPLES, keys, L, eos)
+    again = _gen(policy, prompts, SAMPLES, keys, L, eos)
+    rec = {"section": "invariance", "model": label, "rows": PROMPTS * SAMPLES,
+           "repeat_equal": torch.equal(full.completion_ids, again.completion_ids)
+           and torch.equal(full.sampler_logprobs, again.sampler_logprobs),
+           "mean_len": round(float(full.completion_mask.sum(-1).float().mean()), 1)}
+    alone = []
+    n = PROMPTS * SAMPLES
+    for r in sorted({0, 5 % n, (3 * n) // 5, n - 1}):
+        one = _gen(policy, [prompts[r // SAMPLES]], 1, keys[r:r + 1], L, eos)
+        alone.append(_rows_equal(one, 0, full, r))
+    rec["alone_equal"] = alone
+    sub = _gen(policy, prompts[1:3], SAMPLES, keys[SAMPLES:3 * SAMPLES], L, eos)
+    rec["subset_equal"] = all(_rows_equal(sub, i, full, SAMPLES + i) for i in range(2 * SAMPLES))
+    try:
+        eager = generate(policy, prompts, num_generations=SAMPLES, max_new_tokens=L, temperature=1.0,
+                         stop_ids=(eos,), pad_id=eos, keys=keys, slots=False)
+        same = sum(torch.equal(eager.completion_ids[i][eager.completion_mask[i]], full.completion_ids[i][full.completion_mask[i]])
+                   for i in range(PROMPTS * SAMPLES))
+        rec["rows_same_tokens_as_eager_path"] = f"{same}/{PROMPTS * SAMPLES}"
+    except Exception as e:
+        rec["eager_path_error"] = f"{type(e).__name__}: {e}"[:500]
+    return rec
+
+
+def section_invariance(args):
+    from grpolab.models import GPT, GPTConfig
+    model = random_model(smollm2_config(args.assets))
+    eos = int(model.config.eos_token_id)
+    emit(invariance(HFPolicy(model), model.config.vocab_size, eos, "smollm2_bf16"))
+    del model
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=300, n_layer=4, n_head=4, n_embd=128, block_size=256)).cuda().eval()
+    emit(invariance(gpt, 300, 1, "builtin_gpt_fp32"))
+
+
+def train(run_dir: Path, model_dir: Path, steps: int, extra: list[str] = ()) -> tuple[int, float, str]:
+    cmd = [sys.executable, "-m", "grpolab.cli", "train", str(ROOT / "configs/demo.yaml"),
+           f"model.name_or_path={model_dir}", "model.dtype=bfloat16", "model.device=cuda", "sft.steps=0",
+           "data.task=arithmetic",
+           "reward.functions=[length]", "rollout.prompts_per_step=16", "rollout.num_generations=8",
+           "rollout.max_new_tokens=256", "eval.num_problems=16", "eval.k=2", "train.save_every=2",
+           f"train.max_steps={steps}", f"train.output_dir={run_dir}", "log.level=quiet", *extra]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return r.returncode, time.perf_counter() - t, (r.stderr or "")[-1500:]
+
+
+def compare(a: Path, b: Path) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(a), str(b)], capture_output=True,
+                       text=True)
+    return r.returncode, (r.stdout + r.stderr)[-800:]
+
+
+def section_grpo(args):
+    from transformers import AutoTokenizer
+    base = OUT / "grpo"
+    model_dir = base / "smollm2_random"
+    if not (model_dir / "config.json").exists():
+        model = random_model(smollm2_config(args.assets))
+        model.save_pretrained(model_dir)
+        AutoTokenizer.from_pretrained(args.assets).save_pretrained(model_dir)
+        del model
+        torch.cuda.empty_cache()
+    runs = {}
+    for name, steps in (("a", 4), ("b", 4), ("c", 2)):
+        runs[name] = train(base / name, model_dir, steps)
+        rc, wall, err = runs[name]
+        emit({"section": "grpo_run", "run": name, "steps": steps, "rc": rc, "wall_s": round(wall, 1),
+              **({"stderr": err} if rc else {})})
+    rc, wall, err = train(base / "c", model_dir, 4, ["train.resume=auto"])
+    emit({"section": "grpo_run", "run": "c_resumed", "steps": 4, "rc": rc, "wall_s": round(wall, 1),
+          **({"stderr": err} if rc else {})})
+    for x, y in (("a", "b"), ("a", "c")):
+        rc, text = compare(base / x, base / y)
+        emit({"section": "grpo_exact", "pair": f"{x}-{y}", "identical": rc == 0, "detail": text})
+    rows = [json.loads(line) for line in open(base / "a" / "metrics.jsonl") if '"time/step"' in line]
+    split = {k: round(statistics.median(r[k] for r in rows[1:] or rows), 3)
+             for k in ("time/step", "time/generate", "time/reward", "time/ref_and_advantages", "time/update")
+             if k in rows[0]}
+    emit({"section": "grpo_split", "steps": len(rows), "median_after_first": split,
+          "reward_step1": rows[0].get("reward"), "tokens_step1": rows[0].get("completions/mean_length")})
+    if args.nondeterministic:
+        rc, wall, err = train(base / "nd", model_dir, 4, ["train.cuda_deterministic=false"])
+        rows = [json.loads(line) for line in open(base / "nd" / "metrics.jsonl")
+                if '"time/step"' in line] if rc == 0 else []
+        emit({"section": "grpo_nondeterministic_kernels", "rc": rc, "median_step_after_first":
+              round(statistics.median(r["time/step"] for r in rows[1:]), 3) if rows else None,
+              **({"stderr": err} if rc else {})})
+
+
+def main() -> None:
+    global OUT
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--assets", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct",
+                   help="a folder with SmolLM2's config.json and tokenizer files")
+    p.add_argument("--sections", default="env,invariance,grpo,decode")
+    p.add_argument("--shapes", default="smollm2,qwen1.5b")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--nondeterministic", action="store_true", help="also a GRPO run without deterministic kernels")
+    args = p.parse_args()
+    OUT = args.out
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA device")
+    from grpolab.determinism import pin_cuda_numerics
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts, as grpolab's jobs set it
+    sections = {"invariance": section_invariance, "decode": section_decode, "grpo": section_grpo}
+    for name in args.sections.split(","):
+        t = time.perf_counter()
+        try:
+            if name == "env":
+                import transformers
+                try:
+                    import triton
+                    tv = triton.__version__
+                except ImportError:
+                    tv = None
+                emit({"section": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "transformers": transformers.__version__, "triton": tv, "peak_bw_TBps": peak_bw() / 1e12})
+            else:
+                # the invariance checks under the deterministic mode training runs use; the timings without
+                # it, as users time engines (the slotted decode sets its own mode either way)
+                if name == "invariance":
+                    pin_cuda_numerics()
+                else:
+                    torch.use_deterministic_algorithms(False)
+                sections[name](args)
+        except Exception as e:   # one section's failure must not cost the others
+            emit({"section": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+        emit({"section": name, "seconds": round(time.perf_counter() - t, 1)})
+
+
+if __name__ == "__main__":
+    main()

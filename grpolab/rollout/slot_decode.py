@@ -1,0 +1,234 @@
+"""The GPU rollout path: a slotted KV cache, the decode step captured as a CUDA graph per batch bucket,
+sampling on the device with the keyed uniforms, and no host synchronisation per token.
+
+On a GPU the eager decode (core.py) is bound by kernel launches and Python: a small model's step is a
+few hundred kernels of microseconds each, every one waiting for the CPU. Here everything a step does
+(sample the next token from the logits, record it, stop rows, run the model on it) reads and writes
+preallocated tensors at fixed addresses, so it is captured once as a CUDA graph and replayed: one
+launch per token. The host looks every `CHECK_EVERY` steps: when every row is done the loop ends, and
+when the live rows fit a smaller bucket (a multiple of `rows_per_matmul` rows) they move to its front
+and its graph takes over, so finished rows stop costing. Decoding a few steps past the last stop costs
+those steps only: a finished row's outputs are masked by its recorded end.
+
+A row's completion does not depend on the batch around it (the keyed uniforms, plus the kernels of
+models/slot_forward.py: the same shapes whoever shares the batch). Each prompt is prefilled alone.
+On a CPU the same code runs eagerly (no graphs): the tests hold it to core.py's engine there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import NonFiniteLogits
+from ..models.decode_weights import DecodeWeights, decode_weights, unsupported
+from ..models.gpt import GPT
+from ..models.slot_cache import SlotCache
+from ..models.slot_forward import decode, prefill
+from ..utils.padding import pad_sequences
+from .generation import Generation
+from .keys import token_uniforms
+from .sampling import sample_next
+
+ROWS_PER_MATMUL = 64   # decode rows per matrix product: a batch is padded to a multiple of it
+CHECK_EVERY = 8        # steps between the host's looks at which rows are done
+T_ROUND = 128          # cache columns are rounded up to this, so a run's batches share one capture
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a captured decode depends on besides the weights."""
+    rows: int            # slots, a multiple of rows_per_matmul
+    T: int               # cache columns
+    L: int               # max_new_tokens
+    temperature: float
+    top_k: int
+    top_p: float
+    stops: tuple[int, ...]
+    keyed: bool
+    rows_per_matmul: int
+    graphs: bool
+
+
+@contextlib.contextmanager
+def _nondeterministic_kernels_allowed():
+    """torch's deterministic mode off for the decode: every op here is deterministic as it is (unique
+    indices, no atomics), and the mode's sort-based index writes would be captured into every step."""
+    on, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(on, warn_only=warn)
+
+
+class SlotDecoder:
+    """One model's decode at one `Shape`: its weights (owned copies, refreshed per rollout), the slot
+    cache, the per-slot state and, on CUDA, a graph per bucket."""
+
+    def __init__(self, model, shape: Shape) -> None:
+        self.shape = s = shape
+        self.W: DecodeWeights = decode_weights(model, s.T)
+        W, dev = self.W, self.W.device
+        R = s.rows
+        self.cache = SlotCache(len(W.layers), R, s.T, W.n_kv, W.head_dim, W.dtype, dev)
+        V = W.head.size(0)
+        self.logits = torch.zeros(R, V, dtype=torch.float32, device=dev)
+        self.tok = torch.zeros(R, dtype=torch.long, device=dev)
+        self.keys = torch.zeros(R, dtype=torch.long, device=dev)
+        self.slot_row = torch.arange(R, device=dev)     # the output row each slot decodes
+        self.budget = torch.full((R,), s.L, dtype=torch.long, device=dev)
+        self.done = torch.ones(R, dtype=torch.bool, device=dev)
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.stops = torch.tensor(s.stops, dtype=torch.long, device=dev)
+        # by output row
+        self.out_ids = torch.zeros(R, s.L, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(R, s.L, dtype=torch.float32, device=dev)
+        self.end = torch.full((R,), s.L, dtype=torch.long, device=dev)
+        self.stopped = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.buckets = list(range(R, 0, -s.rows_per_matmul))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if s.graphs:
+            self._capture()
+
+    def _step(self, b: int) -> None:
+        """One token for slots [0, b): sample from the logits, record, stop, run the model on it."""
+        s = self.shape
+        t = self.t.expand(b)
+        u = token_uniforms(self.keys[:b], t) if s.keyed else None
+        tok, lp = sample_next(self.logits[:b], s.temperature, s.top_k, s.top_p, None, u)
+        rows, done = self.slot_row[:b], self.done[:b]
+        live = ~done
+        at = rows * s.L + t
+        self.out_ids.view(-1).index_copy_(0, at, tok)
+        self.out_lp.view(-1).index_copy_(0, at, lp)
+        stop_now = (tok[:, None] == self.stops).any(-1) & live
+        finished = stop_now | (live & (t + 1 >= self.budget[:b]))
+        self.end.index_copy_(0, rows, torch.where(finished, t + 1, self.end.index_select(0, rows)))
+        self.stopped.index_copy_(0, rows, self.stopped.index_select(0, rows) | stop_now)
+        done |= finished
+        self.tok[:b] = tok
+        self.logits[:b] = decode(self.W, self.cache, self.tok[:b], s.rows_per_matmul)
+        self.cache.lens[:b] += (~done).long()   # the rows that go on keep the token just written
+        self.t += 1
+
+    def _capture(self) -> None:
+        """A graph per bucket, after a warm-up step of each (Triton compiles, cuBLAS picks its kernels)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in self.buckets:
+                self.t.zero_()
+                self._step(b)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        for b in self.buckets:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._step(b)
+            pool = g.pool()
+            self.graphs[b] = g
+
+    def _replay(self, b: int) -> None:
+        if self.graphs:
+            self.graphs[b].replay()
+        else:
+            self._step(b)
+
+    def _compact(self, b: int, nb: int) -> None:
+        """The live slots of [0, b) move to the front of a bucket of nb slots (done ones fill the rest)."""
+        order = torch.argsort(self.done[:b].to(torch.int8), stable=True)[:nb]
+        self.cache.compact(order)
+        for x in (self.tok, self.logits, self.keys, self.slot_row, self.budget, self.done):
+            x[:nb] = x.index_select(0, order)
+
+    def run(self, prompts: list[list[int]], G: int, keys: torch.Tensor | None, budgets: torch.Tensor | None,
+            pad_id: int, on_tokens=None) -> Generation:
+        s, W = self.shape, self.W
+        B, R, dev = len(prompts) * G, s.rows, self.W.device
+        W.refresh()
+        self.done.fill_(True)
+        self.done[:B] = False
+        self.t.zero_()
+        self.end.fill_(s.L)
+        self.stopped.zero_()
+        self.out_ids.fill_(pad_id)
+        self.out_lp.zero_()
+        self.slot_row.copy_(torch.arange(R, device=dev))
+        self.keys.zero_()
+        if keys is not None:
+            self.keys[:B] = keys.to(dev)
+        self.budget.fill_(s.L)
+        if budgets is not None:
+            self.budget[:B] = budgets.to(dev).clamp(max=s.L)
+        self.tok.zero_()
+        self.cache.lens.zero_()
+        for i, p in enumerate(prompts):   # each prompt alone, its keys and values copied to its G slots
+            rows = slice(i * G, (i + 1) * G)
+            self.logits[rows] = prefill(W, torch.tensor(p, device=dev), self.cache, rows)
+        b, steps, counted = R, 0, 0
+        for t in range(s.L):
+            self._replay(b)
+            steps = t + 1
+            if steps % CHECK_EVERY and steps != s.L:
+                continue
+            live, sampled = torch.stack([(~self.done[:b]).sum(), self.end[:B].clamp(max=steps).sum()]).tolist()
+            if on_tokens is not None:
+                on_tokens(sampled - counted)
+                counted = sampled
+            if live == 0:
+                break
+            nb = -(-live // s.rows_per_matmul) * s.rows_per_matmul
+            if nb < b:
+                self._compact(b, nb)
+                b = nb
+        end = self.end[:B]
+        valid = torch.arange(steps, device=dev)[None, :] < end[:, None]
+        ids, lp = self.out_ids[:B, :steps], self.out_lp[:B, :steps]
+        if bool((lp.isnan() & valid).any()):
+            raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")
+        p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
+        return Generation(prompt_ids=p_ids.to(dev).repeat_interleave(G, dim=0),
+                          prompt_mask=p_mask.to(dev).repeat_interleave(G, dim=0),
+                          completion_ids=ids.masked_fill(~valid, pad_id), completion_mask=valid.clone(),
+                          sampler_logprobs=lp.masked_fill(~valid, 0.0), truncated=~self.stopped[:B].clone())
+
+
+# one decoder per model, for the Shape it last ran (a rollout's shape repeats step after step)
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def why_not(model, prompts: list[list[int]], max_new_tokens: int) -> str | None:
+    """Why the slotted decode cannot run this call, or None."""
+    longest = max(map(len, prompts)) + max_new_tokens
+    if isinstance(model, GPT) and longest > model.config.block_size:
+        return f"sequence of {longest} tokens exceeds model.block_size={model.config.block_size}"
+    return unsupported(model, longest)
+
+
+def generate(model, prompts: list[list[int]], *, num_generations: int, max_new_tokens: int, temperature: float,
+             top_k: int, top_p: float, stop_ids: tuple[int, ...], pad_id: int, keys: torch.Tensor | None,
+             budgets: torch.Tensor | None = None, graphs: bool | None = None,
+             rows_per_matmul: int = ROWS_PER_MATMUL, on_tokens=None) -> Generation:
+    """`engine.generate`'s sampling by the slotted decode (`graphs`: CUDA graphs, default on CUDA).
+    `budgets` (B,): each row's own token cap (at most max_new_tokens)."""
+    dev = next(model.parameters()).device
+    graphs = dev.type == "cuda" if graphs is None else graphs
+    B = len(prompts) * num_generations
+    longest = max(map(len, prompts)) + max_new_tokens
+    T = -(-(longest + 1) // T_ROUND) * T_ROUND
+    if isinstance(model, GPT):
+        T = min(T, model.config.block_size)
+    shape = Shape(-(-B // rows_per_matmul) * rows_per_matmul, T, max_new_tokens, float(temperature), int(top_k),
+                  float(top_p), tuple(int(i) for i in stop_ids), keys is not None and temperature > 0,
+                  rows_per_matmul, graphs)
+    with torch.inference_mode(), _nondeterministic_kernels_allowed():
+        dec = _DECODERS.get(model)
+        if dec is None or dec.shape != shape:
+            _DECODERS.pop(model, None)
+            dec = None
+            dec = _DECODERS[model] = SlotDecoder(model, shape)
+        return dec.run(prompts, num_generations, keys, budgets, pad_id, on_tokens)

@@ -1,0 +1,156 @@
+"""The slotted decode (rollout/slot_decode.py): on a CPU it runs eagerly, and must sample what the eager
+engine (rollout/core.py) samples; a row's completion must not depend on its batch; the Triton attention
+kernel must compute the reference's attention. The CUDA-graph cases run where a GPU is (bench/gpu.py
+runs the same checks at real model shapes)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from grpolab.models import GPT, GPTConfig
+from grpolab.models.decode_attention import reference
+from grpolab.models.hf import HFPolicy
+from grpolab.rollout import slot_decode
+from grpolab.rollout.engine import generate
+from grpolab.rollout.keys import completion_keys
+
+
+def _prompts(tok):
+    return [tok.render_prompt(p) for p in ("Mia has 7 shells.", "Sum 1+2?", "Ok", "Tom buys 3 pens and 2 more.")]
+
+
+def _keys(n_prompts, G, seed=0):
+    return completion_keys(seed, torch.arange(n_prompts).repeat_interleave(G), torch.arange(G).repeat(n_prompts))
+
+
+def _gqa_llama(vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    torch.manual_seed(1)
+    return HFPolicy(LlamaForCausalLM(cfg).eval())
+
+
+@pytest.fixture(params=["gpt", "gqa_llama"])
+def policy(request, tiny_gpt, tok):
+    return tiny_gpt if request.param == "gpt" else _gqa_llama(tok.vocab_size)
+
+
+def _rows(g):
+    """Each row's kept tokens and their log-probs."""
+    return [(ids[m].tolist(), lp[m]) for ids, lp, m in zip(g.completion_ids, g.sampler_logprobs, g.completion_mask)]
+
+
+def test_samples_what_the_eager_engine_samples(policy, tok):
+    G = 4
+    kw = dict(num_generations=G, max_new_tokens=24, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
+    for temperature, keys in ((1.0, _keys(4, G)), (0.7, _keys(4, G, 3)), (0.0, None)):
+        eager = generate(policy, _prompts(tok), temperature=temperature, keys=keys, slots=False, **kw)
+        slots = generate(policy, _prompts(tok), temperature=temperature, keys=keys, slots=True, **kw)
+        assert torch.equal(slots.completion_mask.sum(-1), eager.completion_mask.sum(-1))
+        assert torch.equal(slots.truncated, eager.truncated)
+        assert torch.equal(slots.prompt_ids, eager.prompt_ids) and torch.equal(slots.prompt_mask, eager.prompt_mask)
+        for (a, la), (b, lb) in zip(_rows(slots), _rows(eager)):
+            assert a == b
+            torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+        assert not slots.truncated.all() or temperature == 0.0
+
+
+def test_a_rows_completion_does_not_depend_on_its_batch(policy, tok):
+    G = 4
+    prompts, keys = _prompts(tok), _keys(4, G)
+    kw = dict(max_new_tokens=24, temperature=1.0, stop_ids=(tok.eos_id,), pad_id=tok.pad_id, slots=True)
+    full = _rows(generate(policy, prompts, num_generations=G, keys=keys, **kw))
+    for r in (0, 6, 15):   # alone: a batch of one row, another prompt length, another cache width
+        alone = _rows(generate(policy, [prompts[r // G]], num_generations=1, keys=keys[r:r + 1], **kw))[0]
+        assert alone[0] == full[r][0] and torch.equal(alone[1], full[r][1])
+    pair = _rows(generate(policy, prompts[2:4], num_generations=G, keys=keys[2 * G:], **kw))
+    for i, (ids, lp) in enumerate(pair):
+        assert ids == full[2 * G + i][0] and torch.equal(lp, full[2 * G + i][1])
+
+
+def test_rows_leave_through_smaller_buckets_with_their_own_budgets(tiny_gpt, tok):
+    # 36 rows in slots of 8 rows per product: buckets 40, 32, ..., 8 as rows finish at their budgets
+    prompts, G = _prompts(tok) * 3, 3
+    budgets = torch.tensor([1 + (7 * i) % 23 for i in range(len(prompts) * G)])
+    keys = _keys(len(prompts), G)
+    kw = dict(num_generations=G, max_new_tokens=24, temperature=1.0, stop_ids=(), pad_id=tok.pad_id, keys=keys)
+    got = slot_decode.generate(tiny_gpt, prompts, top_k=0, top_p=1.0, budgets=budgets, graphs=False,
+                               rows_per_matmul=8, **kw)
+    assert torch.equal(got.completion_mask.sum(-1), budgets)
+    assert got.truncated.all()
+    want = generate(tiny_gpt, prompts, budgets=budgets, slots=False, **kw)
+    for (a, la), (b, lb) in zip(_rows(got), _rows(want)):
+        assert a == b
+        torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+def test_top_k_and_top_p_and_counting_tokens(tiny_gpt, tok):
+    G = 4
+    seen = []
+    kw = dict(num_generations=G, max_new_tokens=16, temperature=0.9, top_k=20, top_p=0.8, stop_ids=(tok.eos_id,),
+              pad_id=tok.pad_id, keys=_keys(4, G))
+    slots = generate(tiny_gpt, _prompts(tok), slots=True, on_tokens=seen.append, **kw)
+    eager = generate(tiny_gpt, _prompts(tok), slots=False, **kw)
+    assert [r[0] for r in _rows(slots)] == [r[0] for r in _rows(eager)]
+    assert sum(seen) == int(slots.completion_mask.sum())
+
+
+def test_the_triton_kernel_computes_the_reference_attention():
+    pytest.importorskip("triton")
+    code = """
+import torch
+from grpolab.models.decode_attention import decode_attention, reference
+torch.manual_seed(0)
+for b, H, KV, D, T in ((5, 6, 2, 16, 70), (3, 4, 4, 24, 33)):
+    q, k, v = torch.randn(b, H, D), torch.randn(b, T, KV, D), torch.randn(b, T, KV, D)
+    lens = torch.randint(1, T + 1, (b,))
+    lens[0] = T
+    out = decode_attention(q, k, v, lens, D ** -0.5, force_kernel=True)
+    assert (out - reference(q, k, v, lens, D ** -0.5)).abs().max() < 1e-5
+    # a row alone, in a narrower cache: the same bits
+    one = decode_attention(q[1:2], k[1:2, :int(lens[1])].contiguous(), v[1:2, :int(lens[1])].contiguous(), lens[1:2],
+                           D ** -0.5, force_kernel=True)
+    assert torch.equal(one, out[1:2])
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_reference_attention_matches_a_plain_softmax():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
+    lens = torch.tensor([3, 10])
+    got = reference(q, k, v, lens, 0.5)
+    for r in range(2):
+        for h in range(4):
+            keys, vals = k[r, :lens[r], h // 2], v[r, :lens[r], h // 2]
+            w = torch.softmax(keys @ q[r, h] * 0.5, dim=0)
+            torch.testing.assert_close(got[r, h], w @ vals)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_graph_rows_alone_equal_rows_in_the_batch():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=128, block_size=256)).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 299, (int(n),), generator=g).tolist() for n in torch.randint(5, 50, (16,), generator=g)]
+    keys = _keys(16, 8)
+    kw = dict(max_new_tokens=64, temperature=1.0, stop_ids=(1,), pad_id=0)
+    full = generate(gpt, prompts, num_generations=8, keys=keys, **kw)
+    again = _rows(generate(gpt, prompts, num_generations=8, keys=keys, **kw))
+    assert _rows(full) == again or all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(_rows(full), again))
+    for r in (0, 77, 127):
+        one = _rows(generate(gpt, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw))[0]
+        want = _rows(full)[r]
+        assert one[0] == want[0] and torch.equal(one[1], want[1])

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from grpolab.models.hf import HFPolicy  # noqa: E402
+from grpolab.rollout import slot_decode  # noqa: E402
 from grpolab.rollout.engine import generate  # noqa: E402
 from grpolab.rollout.keys import completion_keys  # noqa: E402
 
@@ -96,15 +97,19 @@ def rl_lengths(n: int, seed: int = 0) -> torch.Tensor:
     return L
 
 
-def ours(policy, prompts, lengths, eos, slots):
+def ours(policy, prompts, lengths, eos, slots, new=NEW, rows_per_matmul=None):
     n = len(prompts)
     keys = completion_keys(0, torch.arange(n).repeat_interleave(SAMPLES), torch.arange(SAMPLES).repeat(n))
-    g = generate(policy, prompts, num_generations=SAMPLES, max_new_tokens=NEW, temperature=1.0, stop_ids=(),
-                 pad_id=eos, keys=keys, budgets=lengths, slots=slots)
+    kw = dict(num_generations=SAMPLES, max_new_tokens=new, temperature=1.0, stop_ids=(), pad_id=eos, keys=keys,
+              budgets=lengths)
+    if rows_per_matmul:   # the slotted decode at another product size
+        g = slot_decode.generate(policy, prompts, top_k=0, top_p=1.0, rows_per_matmul=rows_per_matmul, **kw)
+    else:
+        g = generate(policy, prompts, slots=slots, **kw)
     return int(g.completion_mask.sum())
 
 
-def hf_generate(model, prompts, lengths, eos):
+def hf_generate(model, prompts, lengths, eos, new=NEW):
     from transformers import LogitsProcessor, LogitsProcessorList
 
     ids = torch.tensor(prompts, device=model.device)
@@ -126,10 +131,10 @@ def hf_generate(model, prompts, lengths, eos):
             return scores
 
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                         top_p=1.0, max_new_tokens=NEW, num_return_sequences=SAMPLES,
+                         top_p=1.0, max_new_tokens=new, num_return_sequences=SAMPLES,
                          logits_processor=LogitsProcessorList([Force()]), eos_token_id=eos, pad_token_id=eos)
     comp = out[:, P:]
-    if lengths is None:
+    if lengths is None or new != NEW:
         return comp.numel()
     got = (((comp == eos).int().cumsum(-1) == 0).sum(-1) + 1).clamp(max=NEW)   # up to the first end token
     assert torch.equal(got.cpu(), lengths), "HF lengths differ from the forced ones"
@@ -158,9 +163,15 @@ def section_decode(args):
             engines = {"graph": lambda: ours(policy, prompts, lengths, eos, True),
                        "eager": lambda: ours(policy, prompts, lengths, eos, False),
                        "hf": lambda: hf_generate(model, prompts, lengths, eos)}
-            for k, fn in list(engines.items()):   # warm-up (graph capture, Triton compile, cuBLAS handles)
+            warm = {"graph": engines["graph"],   # the graph path captures per shape: warmed at the timed one
+                    "eager": lambda: ours(policy, prompts, None, eos, False, new=8),
+                    "hf": lambda: hf_generate(model, prompts, None, eos, new=8)}
+            if shape == "smollm2":   # the same path with products of 64 rows (buckets of 64: 128, then 64)
+                engines["graph64"] = warm["graph64"] = lambda: ours(policy, prompts, lengths, eos, True,
+                                                                    rows_per_matmul=64)
+            for k in list(engines):   # warm-up (graph capture, Triton compile, cuBLAS handles)
                 try:
-                    fn()
+                    warm[k]()
                 except Exception as e:   # one engine's failure must not cost the others' figures
                     emit({"section": "decode", "shape": shape, "regime": regime, "engine": k,
                           "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
@@ -184,7 +195,7 @@ def section_decode(args):
                     ms = rec[f"{k}_s"] / NEW * 1e3
                     rec[f"{k}_ms_per_step"] = round(ms, 3)
                     rec[f"{k}_of_floor"] = round(floor / ms, 3)
-            for other in ("hf", "eager"):
+            for other in ("hf", "eager", "graph64"):
                 if "graph" in engines and other in engines:
                     rec[f"graph_over_{other}"] = round(rec["graph_tok_s"] / rec[f"{other}_tok_s"], 2)
             emit(rec)
@@ -227,8 +238,8 @@ def invariance(policy, vocab: int, eos: int, label: str, L: int = 96) -> dict:
     try:
         eager = generate(policy, prompts, num_generations=SAMPLES, max_new_tokens=L, temperature=1.0,
                          stop_ids=(eos,), pad_id=eos, keys=keys, slots=False)
-        same = sum(torch.equal(eager.completion_ids[i][eager.completion_mask[i]], full.completion_ids[i][full.completion_mask[i]])
-                   for i in range(PROMPTS * SAMPLES))
+        same = sum(torch.equal(e[m], f[n]) for e, m, f, n in zip(eager.completion_ids, eager.completion_mask,
+                                                                  full.completion_ids, full.completion_mask))
         rec["rows_same_tokens_as_eager_path"] = f"{same}/{PROMPTS * SAMPLES}"
     except Exception as e:
         rec["eager_path_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -276,15 +287,17 @@ def section_grpo(args):
         del model
         torch.cuda.empty_cache()
     runs = {}
-    for name, steps in (("a", 4), ("b", 4), ("c", 2)):
+    names = args.grpo_runs.split(",")
+    for name, steps in (x for x in (("a", 4), ("b", 4), ("c", 2)) if x[0] in names):
         runs[name] = train(base / name, model_dir, steps)
         rc, wall, err = runs[name]
         emit({"section": "grpo_run", "run": name, "steps": steps, "rc": rc, "wall_s": round(wall, 1),
               **({"stderr": err} if rc else {})})
-    rc, wall, err = train(base / "c", model_dir, 4, ["train.resume=auto"])
-    emit({"section": "grpo_run", "run": "c_resumed", "steps": 4, "rc": rc, "wall_s": round(wall, 1),
-          **({"stderr": err} if rc else {})})
-    for x, y in (("a", "b"), ("a", "c")):
+    if "c" in names:
+        rc, wall, err = train(base / "c", model_dir, 4, ["train.resume=auto"])
+        emit({"section": "grpo_run", "run": "c_resumed", "steps": 4, "rc": rc, "wall_s": round(wall, 1),
+              **({"stderr": err} if rc else {})})
+    for x, y in (p for p in (("a", "b"), ("a", "c")) if p[1] in names):
         rc, text = compare(base / x, base / y)
         emit({"section": "grpo_exact", "pair": f"{x}-{y}", "identical": rc == 0, "detail": text})
     rows = [json.loads(line) for line in open(base / "a" / "metrics.jsonl") if '"time/step"' in line]
@@ -311,6 +324,7 @@ def main() -> None:
     p.add_argument("--sections", default="env,invariance,grpo,decode")
     p.add_argument("--shapes", default="smollm2,qwen1.5b")
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--grpo-runs", default="a,b,c", help="a and b: 4 steps each; c: 2 steps, then resumed to 4")
     p.add_argument("--nondeterministic", action="store_true", help="also a GRPO run without deterministic kernels")
     args = p.parse_args()
     OUT = args.out

@@ -124,6 +124,42 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_the_fused_kernels_compute_what_torch_computes():
+    pytest.importorskip("triton")
+    code = """
+import torch
+from grpolab.models.decode_kernels import rms_norm, rope_store, silu_mul
+torch.manual_seed(0)
+for dtype, upcast, eps, tol in ((torch.bfloat16, True, 1e-5, 2 ** -6), (torch.float32, False, None, 1e-5)):
+    close = lambda a, b: torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    x, w = torch.randn(6, 72, dtype=dtype), torch.randn(72, dtype=dtype)
+    for weight in (w, None):
+        a = rms_norm(x, weight, eps, upcast, force_kernel=True)
+        b = rms_norm(x, weight, eps, upcast)
+        assert a.dtype == b.dtype
+        close(a, b)
+        assert torch.equal(rms_norm(x[2:3], weight, eps, upcast, force_kernel=True), a[2:3])   # a row alone
+    gu = torch.randn(5, 2 * 40, dtype=dtype)
+    a, b = silu_mul(gu, force_kernel=True), silu_mul(gu)
+    close(a, b)
+    H, KV, D, T = 6, 2, 16, 12
+    qkv = torch.randn(3, (H + 2 * KV) * D, dtype=dtype)
+    cos, sin = torch.randn(T, D, dtype=dtype), torch.randn(T, D, dtype=dtype)
+    lens = torch.tensor([0, 5, 11])
+    caches = [torch.zeros(4, T, KV, D, dtype=dtype) for _ in range(4)]
+    qa = rope_store(qkv, cos, sin, lens, caches[0], caches[1], H, KV, force_kernel=True)
+    qb = rope_store(qkv, cos, sin, lens, caches[2], caches[3], H, KV)
+    close(qa, qb)
+    close(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
+    assert caches[0][0, 0].abs().sum() > 0 and caches[0][1, 5].abs().sum() > 0 and caches[0][1, 4].abs().sum() == 0
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_reference_attention_matches_a_plain_softmax():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 8), torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)

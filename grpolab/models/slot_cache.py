@@ -2,8 +2,9 @@
 
 `k[layer]` and `v[layer]` are (rows, T, kv_heads, D); `lens` (rows,) is how many positions each row has
 filled, which is also the position (RoPE) of its next token: nothing is padding, so a row's keys sit in
-the same columns whatever else shares the cache. Rows write at their own lengths (one `index_copy_` per
-layer), so they need not be of one age; rows leave by `compact`, which moves the kept ones to the front.
+the same columns whatever else shares the cache. Each row's new token is written at its own length
+(models/decode_kernels.rope_store), so rows need not be of one age; rows leave by `compact`, which moves
+the kept ones to the front.
 Allocated once for a decode and read by fixed addresses, which is what a CUDA graph captures.
 """
 
@@ -19,12 +20,6 @@ class SlotCache:
         self.v = [torch.zeros_like(self.k[0]) for _ in range(n_layer)]
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)
         self.rows, self.T = rows, T
-
-    def write(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The new token's keys and values (b, KV, D) of rows [0, b), each at its own length."""
-        at = torch.arange(b, device=k.device) * self.T + self.lens[:b]
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, at, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, at, v)
 
     def fill(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         """A prompt's keys and values (P, KV, D) into columns [0, P) of `rows` (its samples)."""

@@ -42,11 +42,19 @@ def completion_keys(seed: int, draws: torch.Tensor, samples: torch.Tensor) -> to
     return mix32(h ^ (samples & _M32))
 
 
+def position_salts(t: torch.Tensor) -> torch.Tensor:
+    """The hash of token positions `t` (int64) that `token_uniforms` mixes into each key."""
+    return mix32((t + 0x9E3779B9) & _M32)
+
+
+def salted_uniforms(keys: torch.Tensor, salts: torch.Tensor | int) -> torch.Tensor:
+    """(B, 1) float64 uniforms in [0, 1) of keyed completions at positions given by their salts."""
+    return (mix32(keys ^ salts).to(torch.float64) / 2.0 ** 32)[:, None]
+
+
 def token_uniforms(keys: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
     """(B, 1) float64 uniforms in [0, 1) for token position t of each keyed completion (`t` (B,):
     each row its own position, as when rows of different ages decode together)."""
     if isinstance(t, torch.Tensor):
-        h = mix32(keys ^ mix32((t.to(keys.device) + 0x9E3779B9) & _M32))
-    else:
-        h = mix32(keys ^ int(mix32(torch.tensor([t + 0x9E3779B9 & _M32]))[0]))
-    return (h.to(torch.float64) / 2.0 ** 32)[:, None]
+        return salted_uniforms(keys, position_salts(t.to(keys.device)))
+    return salted_uniforms(keys, int(position_salts(torch.tensor([t]))[0]))

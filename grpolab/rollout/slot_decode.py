@@ -30,10 +30,12 @@ from ..models.slot_cache import SlotCache
 from ..models.slot_forward import decode, prefill
 from ..utils.padding import pad_sequences
 from .generation import Generation
-from .keys import token_uniforms
+from .keys import position_salts, salted_uniforms
 from .sampling import sample_next
 
-ROWS_PER_MATMUL = 64   # decode rows per matrix product: a batch is padded to a multiple of it
+# decode rows per matrix product: a batch is padded to a multiple of it. On a GPU a product of 128 rows of a
+# decode's widths costs what one of 64 does (the weights' reads), and fewer products are fewer kernels.
+ROWS_PER_MATMUL = 128
 CHECK_EVERY = 8        # steps between the host's looks at which rows are done
 T_ROUND = 128          # cache columns are rounded up to this, so a run's batches share one capture
 
@@ -83,6 +85,7 @@ class SlotDecoder:
         self.budget = torch.full((R,), s.L, dtype=torch.long, device=dev)
         self.done = torch.ones(R, dtype=torch.bool, device=dev)
         self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.salts = position_salts(torch.arange(s.L, device=dev))   # each position's part of the uniforms
         self.stops = torch.tensor(s.stops, dtype=torch.long, device=dev)
         # by output row
         self.out_ids = torch.zeros(R, s.L, dtype=torch.long, device=dev)
@@ -98,7 +101,7 @@ class SlotDecoder:
         """One token for slots [0, b): sample from the logits, record, stop, run the model on it."""
         s = self.shape
         t = self.t.expand(b)
-        u = token_uniforms(self.keys[:b], t) if s.keyed else None
+        u = salted_uniforms(self.keys[:b], self.salts.index_select(0, self.t)) if s.keyed else None
         tok, lp = sample_next(self.logits[:b], s.temperature, s.top_k, s.top_p, None, u)
         rows, done = self.slot_row[:b], self.done[:b]
         live = ~done
@@ -197,8 +200,10 @@ class SlotDecoder:
                           sampler_logprobs=lp.masked_fill(~valid, 0.0), truncated=~self.stopped[:B].clone())
 
 
-# one decoder per model, for the Shape it last ran (a rollout's shape repeats step after step)
+# each model's decoders for the Shapes it last ran (a rollout's shape repeats step after step; an eval's
+# alternates with it), the oldest dropped beyond KEEP
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+KEEP = 2
 
 
 def why_not(model, prompts: list[list[int]], max_new_tokens: int) -> str | None:
@@ -226,9 +231,11 @@ def generate(model, prompts: list[list[int]], *, num_generations: int, max_new_t
                   float(top_p), tuple(int(i) for i in stop_ids), keys is not None and temperature > 0,
                   rows_per_matmul, graphs)
     with torch.inference_mode(), _nondeterministic_kernels_allowed():
-        dec = _DECODERS.get(model)
-        if dec is None or dec.shape != shape:
-            _DECODERS.pop(model, None)
-            dec = None
-            dec = _DECODERS[model] = SlotDecoder(model, shape)
+        kept = _DECODERS.setdefault(model, {})
+        dec = kept.pop(shape, None)
+        if dec is None:
+            while len(kept) >= KEEP:
+                kept.pop(next(iter(kept)))   # its memory (cache, graphs) goes before the new one's is taken
+            dec = SlotDecoder(model, shape)
+        kept[shape] = dec   # the most recent last
         return dec.run(prompts, num_generations, keys, budgets, pad_id, on_tokens)

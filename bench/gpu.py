@@ -177,11 +177,13 @@ def section_decode(args):
                           "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
                     del engines[k]
             times = {k: [] for k in engines}
-            toks = {}
+            toks, split = {}, {}
             for _ in range(args.runs):
                 for k, fn in engines.items():
                     toks[k], s = timed(fn)
                     times[k].append(s)
+                    if k.startswith("graph"):
+                        split[k] = slot_decode.last_split(policy)
             rec = {"section": "decode", "shape": shape, "regime": regime, "rows": PROMPTS * SAMPLES,
                    "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
             for k in engines:
@@ -195,6 +197,9 @@ def section_decode(args):
                     ms = rec[f"{k}_s"] / NEW * 1e3
                     rec[f"{k}_ms_per_step"] = round(ms, 3)
                     rec[f"{k}_of_floor"] = round(floor / ms, 3)
+            for k, x in split.items():   # where the graph path's time went (the last run)
+                rec[f"{k}_prefill_s"] = round(x["prefill_s"], 4)
+                rec[f"{k}_decode_ms_per_step"] = round(x["decode_s"] / x["steps"] * 1e3, 3)
             for other in ("hf", "eager", "graph64"):
                 if "graph" in engines and other in engines:
                     rec[f"graph_over_{other}"] = round(rec["graph_tok_s"] / rec[f"{other}_tok_s"], 2)

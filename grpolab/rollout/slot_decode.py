@@ -18,6 +18,7 @@ On a CPU the same code runs eagerly (no graphs): the tests hold it to core.py's 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class SlotDecoder:
         self.stopped = torch.zeros(R, dtype=torch.bool, device=dev)
         self.buckets = list(range(R, 0, -s.rows_per_matmul))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.last: dict[str, float] = {}   # the last run's seconds: prefill, decode (bench/gpu.py prints them)
         if s.graphs:
             self._capture()
 
@@ -169,9 +171,13 @@ class SlotDecoder:
             self.budget[:B] = budgets.to(dev).clamp(max=s.L)
         self.tok.zero_()
         self.cache.lens.zero_()
+        t0 = time.perf_counter()
         for i, p in enumerate(prompts):   # each prompt alone, its keys and values copied to its G slots
             rows = slice(i * G, (i + 1) * G)
             self.logits[rows] = prefill(W, torch.tensor(p, device=dev), self.cache, rows)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)   # once per rollout: the split of its time
+        t1 = time.perf_counter()
         b, steps, counted = R, 0, 0
         for t in range(s.L):
             self._replay(b)
@@ -188,6 +194,7 @@ class SlotDecoder:
             if nb < b:
                 self._compact(b, nb)
                 b = nb
+        self.last = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "steps": steps}
         end = self.end[:B]
         valid = torch.arange(steps, device=dev)[None, :] < end[:, None]
         ids, lp = self.out_ids[:B, :steps], self.out_lp[:B, :steps]
@@ -204,6 +211,12 @@ class SlotDecoder:
 # alternates with it), the oldest dropped beyond KEEP
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 KEEP = 2
+
+
+def last_split(model) -> dict[str, float]:
+    """The seconds the model's latest slotted decode spent prefilling and decoding, and its steps."""
+    kept = _DECODERS.get(model) or {}
+    return dict(next(reversed(kept.values())).last) if kept else {}
 
 
 def why_not(model, prompts: list[list[int]], max_new_tokens: int) -> str | None:

@@ -15,7 +15,16 @@ import torch
 import torch.nn as nn
 
 from .gpt import GPT
-from .lean_decode import _LINEARS, _MLP, _eps, _lora_reason, _unwrap, is_lora, linear_weights, unsupported_reason
+from .lean_decode import (
+    ATTN_LINEARS,
+    MLP_LINEARS,
+    is_lora,
+    linear_weights,
+    lora_reason,
+    norm_eps,
+    unsupported_reason,
+    unwrap,
+)
 
 
 @dataclass
@@ -99,7 +108,7 @@ def unsupported(model: nn.Module, max_len: int) -> str | None:
         for b in model.blocks:
             for m in (b.qkv, b.proj, b.fc, b.fc_out):
                 if is_lora(m):
-                    if (why := _lora_reason(m)) is not None:
+                    if (why := lora_reason(m)) is not None:
                         return why
                 elif type(m) is not nn.Linear:
                     return "the built-in GPT's layers are not plain nn.Linear"
@@ -125,13 +134,13 @@ def _gpt_weights(model: GPT) -> DecodeWeights:
 
 
 def _hf_weights(hf_model, max_positions: int) -> DecodeWeights:
-    lm = _unwrap(hf_model)
+    lm = unwrap(hf_model)
     cfg, inner = lm.config, lm.model
     layers = []
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
-        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_weights(getattr(a, n)) for n in _LINEARS)
-        (gw, gb), (uw, ub), (dw, db) = (linear_weights(getattr(m, n)) for n in _MLP)
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_weights(getattr(a, n)) for n in ATTN_LINEARS)
+        (gw, gb), (uw, ub), (dw, db) = (linear_weights(getattr(m, n)) for n in MLP_LINEARS)
         qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         layers.append(LayerWeights(
             layer.input_layernorm.weight, torch.cat([qw, kw, vw]), _cat([qb, kb, vb], [qw, kw, vw]),
@@ -144,7 +153,7 @@ def _hf_weights(hf_model, max_positions: int) -> DecodeWeights:
     cos, sin = _rope_tables(cos[0], sin[0])
     return DecodeWeights(emb, layers, inner.norm.weight, lm.lm_head.weight, lm.lm_head.bias,
                          cfg.num_attention_heads, cfg.num_key_value_heads, a.head_dim, a.scaling,
-                         _eps(inner.norm), True, True, cos, sin)
+                         norm_eps(inner.norm), True, True, cos, sin)
 
 
 def _current(model: nn.Module, max_positions: int) -> DecodeWeights:

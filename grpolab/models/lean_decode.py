@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from .attention import cache_mask, rotate
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _unwrap(hf_model):
+def unwrap(hf_model):
     """The transformers model inside a peft wrapper (PeftModel.get_base_model), else the model itself."""
     get = getattr(hf_model, "get_base_model", None)
     return get() if callable(get) else hf_model
@@ -42,7 +42,7 @@ def is_lora(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("base_layer", "lora_A", "lora_B", "get_delta_weight", "active_adapters"))
 
 
-def _lora_reason(m: nn.Module) -> str | None:
+def lora_reason(m: nn.Module) -> str | None:
     if type(m.base_layer) is not nn.Linear:
         return "a LoRA adapter wraps a layer that is not a plain nn.Linear"
     if getattr(m, "lora_variant", None) or any(getattr(m, "use_dora", {}).values()):
@@ -69,7 +69,7 @@ def linear_weights(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def unsupported_reason(hf_model, max_len: int) -> str | None:
     """Why the lean path cannot run this model for sequences of `max_len` tokens, or None."""
-    hf_model = _unwrap(hf_model)
+    hf_model = unwrap(hf_model)
     cfg = hf_model.config
     if cfg.model_type not in SUPPORTED:
         return f"model_type {cfg.model_type!r} is not one of {SUPPORTED}"
@@ -86,10 +86,11 @@ def unsupported_reason(hf_model, max_len: int) -> str | None:
     if inner is None or not hasattr(inner, "layers") or not hasattr(hf_model, "lm_head"):
         return "unexpected module layout"
     for layer in inner.layers:
-        mods = [getattr(layer.self_attn, n, None) for n in _LINEARS] + [getattr(layer.mlp, n, None) for n in _MLP]
+        mods = [getattr(layer.self_attn, n, None) for n in ATTN_LINEARS] + [
+            getattr(layer.mlp, n, None) for n in MLP_LINEARS]
         for m in mods:
             if is_lora(m):
-                if (why := _lora_reason(m)) is not None:
+                if (why := lora_reason(m)) is not None:
                     return why
             elif type(m) is not nn.Linear:   # e.g. quantized linears
                 return "attention/MLP projections are not plain nn.Linear"
@@ -143,7 +144,7 @@ class _NormedLinear:
     def __init__(self, norm: nn.Module, w: torch.Tensor, b: torch.Tensor | None) -> None:
         self.linear = _Linear(w * norm.weight, None)
         self.b = b
-        self.eps = _eps(norm)
+        self.eps = norm_eps(norm)
         self.eps_t = torch.full((1,), self.eps, dtype=torch.float32, device=w.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,8 +162,8 @@ class _Layer:
 
     def __init__(self, layer) -> None:
         a, m = layer.self_attn, layer.mlp
-        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_weights(getattr(a, n)) for n in _LINEARS)
-        (gw, gb), (uw, ub), (dw, db) = (linear_weights(getattr(m, n)) for n in _MLP)
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_weights(getattr(a, n)) for n in ATTN_LINEARS)
+        (gw, gb), (uw, ub), (dw, db) = (linear_weights(getattr(m, n)) for n in MLP_LINEARS)
         qkv_b = None if qb is None and kb is None and vb is None else torch.cat(
             [b if b is not None else w.new_zeros(w.size(0)) for b, w in ((qb, qw), (kb, kw), (vb, vw))])
         self.qkv = _NormedLinear(layer.input_layernorm, torch.cat([qw, kw, vw]), qkv_b)
@@ -174,7 +175,7 @@ class _Layer:
         self.scaling = a.scaling
 
 
-def _eps(norm: nn.Module) -> float:
+def norm_eps(norm: nn.Module) -> float:
     return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
@@ -187,7 +188,7 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """An HF RMSNorm module applied as HF does."""
-    return norm.weight * _rms(x, _eps(norm))
+    return norm.weight * _rms(x, norm_eps(norm))
 
 
 # share_prompt(): keep one copy of a group's prompt keys and values when that saves at least this
@@ -310,7 +311,7 @@ class LeanDecoder:
     """
 
     def __init__(self, hf_model, max_len: int) -> None:
-        hf_model = _unwrap(hf_model)
+        hf_model = unwrap(hf_model)
         cfg, inner = hf_model.config, hf_model.model
         self.embed_w = inner.embed_tokens.weight
         self.head = _NormedLinear(inner.norm, hf_model.lm_head.weight, hf_model.lm_head.bias)

@@ -34,9 +34,10 @@ from .generation import Generation
 from .keys import position_salts, salted_uniforms
 from .sampling import sample_next
 
-# decode rows per matrix product: a batch is padded to a multiple of it. On a GPU a product of 128 rows of a
-# decode's widths costs what one of 64 does (the weights' reads), and fewer products are fewer kernels.
-ROWS_PER_MATMUL = 128
+# decode rows per matrix product: a batch is padded to a multiple of it. 64 against 128 on an H200 at
+# SmolLM2's shape, 128 rows, fixed lengths: 36.4k against 29.9k tok/s (bench/results/gpu_h200_run2.jsonl, one
+# run each); and a 128-row rollout's finished rows can then leave for a 64-row bucket.
+ROWS_PER_MATMUL = 64
 CHECK_EVERY = 8        # steps between the host's looks at which rows are done
 T_ROUND = 128          # cache columns are rounded up to this, so a run's batches share one capture
 

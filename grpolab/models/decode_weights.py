@@ -9,6 +9,7 @@ them before each rollout, so a CUDA graph captured over them stays valid after e
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -174,5 +175,6 @@ def decode_weights(model: nn.Module, max_positions: int) -> DecodeWeights:
     layers = [LayerWeights(*(next(it) for _ in range(12))) for _ in now.layers]
     out = DecodeWeights(embed, layers, norm, head, head_b, now.n_head, now.n_kv, now.head_dim, now.scale, now.eps,
                         now.upcast, now.gated, now.cos, now.sin)
-    out.sources = lambda: _current(model, max_positions)
+    policy = weakref.ref(model)   # not a strong one: decoders are cached per model, weakly (slot_decode.py)
+    out.sources = lambda: _current(policy(), max_positions)
     return out

@@ -21,12 +21,6 @@ class SlotCache:
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)
         self.rows, self.T = rows, T
 
-    def fill(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A prompt's keys and values (P, KV, D) into columns [0, P) of `rows` (its samples)."""
-        P = k.size(0)
-        self.k[layer][rows, :P] = k
-        self.v[layer][rows, :P] = v
-
     def compact(self, order: torch.Tensor) -> None:
         """Rows [0, len(order)) become the rows `order` (indices), the rest keep stale values."""
         n = order.numel()

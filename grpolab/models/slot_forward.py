@@ -5,7 +5,8 @@ Both follow the models' own math (Hugging Face's RMSNorm in float32 then its wei
 GPT's parameter-free norm; rotary positions; grouped-query heads), agreeing with their forwards to
 float rounding. What is particular is that every result a row gets is computed by the same kernels at
 the same shapes whoever shares its batch, so its completion does not depend on the batch:
-- a prompt is prefilled alone, at its own length (its G samples then copy its keys and values);
+- a prompt is prefilled alone, padded to a length that depends on it alone (its G samples get its keys
+  and values);
 - a decode step's matrix products run in blocks of exactly `rows_per_matmul` rows (the decode batch is
   a multiple of it), since a library GEMM picks its tiling, and so its rounding, from the row count;
 - the norms, the rotation and the attention read one row per program (models/decode_kernels.py,
@@ -68,27 +69,32 @@ def _logits(x: torch.Tensor, W: DecodeWeights, rows: int) -> torch.Tensor:
     return _project(_norm(x, W.norm, W), W.head, W.head_b, rows)
 
 
-def prefill(W: DecodeWeights, ids: torch.Tensor, cache: SlotCache, rows: slice) -> torch.Tensor:
-    """Run one prompt `ids` (P,) alone, write its keys and values to the cache `rows` (its samples), set
-    their lengths to P, and return the next-token logits (V,) after it."""
-    P = ids.numel()
+def prefill(W: DecodeWeights, ids: torch.Tensor, last: torch.Tensor, cache: SlotCache,
+            slots: torch.Tensor) -> torch.Tensor:
+    """Run one prompt alone: `ids` (Pp,) its tokens, padded after its end to a length that depends on it
+    alone (slot_decode pads to a multiple of 64: one capture serves every prompt of that length); `last`
+    (1,) the index of its last token. Its keys and values at positions [0, Pp) go to the cache rows `slots`
+    (G,) (its samples; the padding's are overwritten as the completion grows, never read before). Returns
+    the next-token logits (V,) after its last token. Every index is a tensor: a CUDA graph can replay it."""
+    Pp = ids.numel()
     H, KV, D = W.n_head, W.n_kv, W.head_dim
-    cos, sin = W.cos[:P][:, None], W.sin[:P][:, None]
+    cos, sin = W.cos[:Pp][:, None], W.sin[:Pp][:, None]
+    at = (slots[:, None] * cache.T + torch.arange(Pp, device=ids.device)).reshape(-1)   # (G * Pp,) cache rows
     x = F.embedding(ids, W.embed)
     for i, L in enumerate(W.layers):
         qkv = _project(_norm(x, L.norm1, W), L.qkv, L.qkv_b, 0)
         if L.q_norm is not None:
             _qk_norms(qkv, L, W)
-        qkv = qkv.view(P, H + 2 * KV, D)
+        qkv = qkv.view(Pp, H + 2 * KV, D)
         q, k, v = rotate(qkv[:, :H], cos, sin), rotate(qkv[:, H:H + KV], cos, sin), qkv[:, H + KV:]
-        cache.fill(i, rows, k, v)
-        # (1, heads, P, D); key/value heads repeated for their query groups
+        cache.k[i].view(-1, KV, D).index_copy_(0, at, k.repeat(slots.numel(), 1, 1))
+        cache.v[i].view(-1, KV, D).index_copy_(0, at, v.repeat(slots.numel(), 1, 1))
+        # (1, heads, Pp, D); key/value heads repeated for their query groups; causal, so no token sees the padding
         kk, vv = (t.repeat_interleave(H // KV, dim=1).transpose(0, 1)[None] for t in (k, v))
         y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, is_causal=True, scale=W.scale)
-        x = _add_project(x, y[0].transpose(0, 1).reshape(P, -1), L.o, L.o_b, 0)
+        x = _add_project(x, y[0].transpose(0, 1).reshape(Pp, -1), L.o, L.o_b, 0)
         x = _mlp(x, L, W, 0)
-    cache.lens[rows] = P
-    return _logits(x[-1:], W, 0)[0]
+    return _logits(x.index_select(0, last), W, 0)[0]
 
 
 def decode(W: DecodeWeights, cache: SlotCache, tok: torch.Tensor, rows_per_matmul: int) -> torch.Tensor:

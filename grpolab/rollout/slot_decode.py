@@ -11,7 +11,8 @@ and its graph takes over, so finished rows stop costing. Decoding a few steps pa
 those steps only: a finished row's outputs are masked by its recorded end.
 
 A row's completion does not depend on the batch around it (the keyed uniforms, plus the kernels of
-models/slot_forward.py: the same shapes whoever shares the batch). Each prompt is prefilled alone.
+models/slot_forward.py: the same shapes whoever shares the batch). Each prompt is prefilled alone, padded
+to a multiple of `PREFILL_ROUND` tokens, by a graph captured once per padded length.
 On a CPU the same code runs eagerly (no graphs): the tests hold it to core.py's engine there.
 """
 
@@ -40,6 +41,7 @@ from .sampling import sample_next
 ROWS_PER_MATMUL = 64
 CHECK_EVERY = 8        # steps between the host's looks at which rows are done
 T_ROUND = 128          # cache columns are rounded up to this, so a run's batches share one capture
+PREFILL_ROUND = 64     # a prompt is prefilled padded to a multiple of this: one captured prefill per length
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,16 @@ class Shape:
     keyed: bool
     rows_per_matmul: int
     graphs: bool
+
+
+@dataclass
+class _Prefill:
+    """The static inputs and output of one prompt's prefill at a padded length, and its graph."""
+    ids: torch.Tensor      # (Pp,) the prompt, padded
+    last: torch.Tensor     # (1,) the index of its last token
+    slots: torch.Tensor    # (G,) the cache rows of its samples
+    logits: torch.Tensor   # (V,) the next-token logits after it
+    graph: object = None
 
 
 @contextlib.contextmanager
@@ -96,6 +108,8 @@ class SlotDecoder:
         self.stopped = torch.zeros(R, dtype=torch.bool, device=dev)
         self.buckets = list(range(R, 0, -s.rows_per_matmul))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None                                  # the graphs' memory pool, shared: they never overlap
+        self.prefills: dict[tuple[int, int], _Prefill] = {}   # by (padded length, samples per prompt)
         self.last: dict[str, float] = {}   # the last run's seconds: prefill, decode (bench/gpu.py prints them)
         if s.graphs:
             self._capture()
@@ -130,13 +144,44 @@ class SlotDecoder:
                 self.t.zero_()
                 self._step(b)
         torch.cuda.current_stream().wait_stream(side)
-        pool = None
         for b in self.buckets:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=self.pool):
                 self._step(b)
-            pool = g.pool()
+            self.pool = g.pool()
             self.graphs[b] = g
+
+    def _prefill(self, prompt: list[int], first: int, G: int) -> torch.Tensor:
+        """Prefill `prompt` into slots [first, first + G): the logits after it (V,). On CUDA each padded
+        length's prefill is captured once (after a warm-up with this very prompt, which writes what the
+        replay writes again) and replayed: one launch instead of a forward's hundreds."""
+        s, dev = self.shape, self.W.device
+        Pp = min(-(-len(prompt) // PREFILL_ROUND) * PREFILL_ROUND, s.T)
+        pre = self.prefills.get((Pp, G))
+        new = pre is None
+        if new:
+            pre = self.prefills[(Pp, G)] = _Prefill(
+                torch.zeros(Pp, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                torch.zeros(G, dtype=torch.long, device=dev), torch.zeros_like(self.logits[0]))
+        pre.ids.zero_()
+        pre.ids[:len(prompt)] = torch.tensor(prompt, device=dev)
+        pre.last.fill_(len(prompt) - 1)
+        pre.slots.copy_(torch.arange(first, first + G, device=dev))
+        if not s.graphs:
+            pre.logits.copy_(prefill(self.W, pre.ids, pre.last, self.cache, pre.slots))
+            return pre.logits
+        if new:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                prefill(self.W, pre.ids, pre.last, self.cache, pre.slots)
+            torch.cuda.current_stream().wait_stream(side)
+            pre.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(pre.graph, pool=self.pool):
+                pre.logits.copy_(prefill(self.W, pre.ids, pre.last, self.cache, pre.slots))
+            self.pool = pre.graph.pool()
+        pre.graph.replay()
+        return pre.logits
 
     def _replay(self, b: int) -> None:
         if self.graphs:
@@ -174,8 +219,8 @@ class SlotDecoder:
         self.cache.lens.zero_()
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):   # each prompt alone, its keys and values copied to its G slots
-            rows = slice(i * G, (i + 1) * G)
-            self.logits[rows] = prefill(W, torch.tensor(p, device=dev), self.cache, rows)
+            self.logits[i * G:(i + 1) * G] = self._prefill(p, i * G, G)
+        self.cache.lens[:B] = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)   # once per rollout: the split of its time
         t1 = time.perf_counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -167,21 +168,31 @@ class SlotDecoder:
         pre.ids[:len(prompt)] = torch.tensor(prompt, device=dev)
         pre.last.fill_(len(prompt) - 1)
         pre.slots.copy_(torch.arange(first, first + G, device=dev))
-        if not s.graphs:
+        if new and s.graphs:
+            pre.graph = self._capture_prefill(pre)
+        if pre.graph is None:   # a CPU, or a capture that failed: the same kernels, launched one by one
             pre.logits.copy_(prefill(self.W, pre.ids, pre.last, self.cache, pre.slots))
-            return pre.logits
-        if new:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                prefill(self.W, pre.ids, pre.last, self.cache, pre.slots)
-            torch.cuda.current_stream().wait_stream(side)
-            pre.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(pre.graph, pool=self.pool):
-                pre.logits.copy_(prefill(self.W, pre.ids, pre.last, self.cache, pre.slots))
-            self.pool = pre.graph.pool()
-        pre.graph.replay()
+        else:
+            pre.graph.replay()
         return pre.logits
+
+    def _capture_prefill(self, pre: _Prefill):
+        """`pre`'s prefill as a graph, after a warm-up; None (with a warning) if it cannot be captured."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            prefill(self.W, pre.ids, pre.last, self.cache, pre.slots)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool):
+                pre.logits.copy_(prefill(self.W, pre.ids, pre.last, self.cache, pre.slots))
+        except RuntimeError as e:
+            warnings.warn(f"slot decode: the prefill of {pre.ids.numel()} tokens could not be captured as a CUDA "
+                          f"graph ({str(e).splitlines()[0][:160]}); it runs eagerly", stacklevel=2)
+            return None
+        self.pool = g.pool()
+        return g
 
     def _replay(self, b: int) -> None:
         if self.graphs:

@@ -94,10 +94,44 @@ def test_cli_refuses_infinite_lr_and_beta_in_one_line(override, key, tmp_path):
 def test_reward_timeout_is_finite_and_not_negative():
     assert Config().reward.timeout == 300.0
     assert load_config(None, ["reward.timeout=0"]).reward.timeout == 0.0   # 0 = no limit
-    with pytest.raises(ConfigError, match=r"^reward\.timeout: must be >= 0 seconds"):
+    with pytest.raises(ConfigError, match=r"^reward\.timeout: must be >= 0 and at most"):
         load_config(None, ["reward.timeout=-1"])
     with pytest.raises(ConfigError, match=r"^reward\.timeout: must be a finite number"):
         load_config(None, ["reward.timeout=inf"])
+
+
+@pytest.mark.parametrize("key", ["reward.timeout", "reward.code_exec.timeout"])
+def test_a_finite_but_huge_timeout_is_refused(key):
+    # 1e308 is finite, and used to kill the watchdog thread with an OverflowError while the run went on
+    assert load_config(None, [f"{key}=10000000"])
+    with pytest.raises(ConfigError, match=rf"^{key}: must be > ?=? ?0 and at most 10000000 seconds"):
+        load_config(None, [f"{key}=1e308"])
+
+
+def test_code_exec_tmp_mb_is_at_most_the_machines_memory():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 ** 20   # written out here, not imported
+    assert load_config(None, [f"reward.code_exec.tmp_mb={total}"])
+    with pytest.raises(ConfigError, match=r"^reward\.code_exec\.tmp_mb: 100000000 MB is more than this machine"):
+        load_config(None, ["reward.code_exec.tmp_mb=100000000"])
+
+
+def test_a_seed_beyond_64_bits_is_one_line(tmp_path):
+    for seed in (2 ** 64 - 1, -(2 ** 63)):
+        assert load_config(None, [f"train.seed={seed}"]).train.seed == seed
+    _one_line(run_cli("train", "train.seed=99999999999999999999999", f"train.output_dir={tmp_path}", timeout=120),
+              "train.seed: 99999999999999999999999 does not fit in 64 bits")
+
+
+def test_a_directory_given_as_the_config_file_says_so(tmp_path):
+    _one_line(run_cli("train", str(tmp_path), timeout=120), f"config file {str(tmp_path)!r} is a directory")
+
+
+def test_a_section_given_as_a_mapping_on_the_command_line_sets_its_keys(tmp_path):
+    cfg = load_config(None, ["optim={lr: 0.25, warmup_steps: 3}", "reward.code_exec={timeout: 7}"])
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.reward.code_exec.timeout) == (0.25, 3, 7)
+    # a bad value inside it is named by its own key, not called "not a mapping"
+    _one_line(run_cli("train", "optim={lr: .inf}", f"train.output_dir={tmp_path}", timeout=120), "optim.lr: must be a "
+              "finite number")
 
 
 def test_train_threads_has_a_ceiling():

@@ -118,6 +118,20 @@ def test_missing_metrics_names_the_directory(tmp_path):
     assert not (d / "report.html").exists()
 
 
+def test_a_garbage_metrics_line_is_one_line_naming_it(tmp_path):
+    from conftest import run_cli
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{garbage\n{"step": 2, "reward": 0.7}\n')
+    r = run_cli("report", str(d), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"grpolab: data error: {d / 'metrics.jsonl'}: line 2 is not JSON "
+                                             f"('{{garbage'); fix or remove that line"], r.stderr
+    assert not (d / "report.html").exists()
+    (d / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')   # torn last line: a live run
+    assert run_cli("report", str(d), timeout=120).returncode == 0
+
+
 def test_minimal_metrics_without_kl_eval_time(tmp_path):
     rows = [_metrics_row(s, full=False) for s in range(1, 6)]
     rows[2]["reward"] = float("nan")       # NaN values are skipped, not plotted

@@ -165,6 +165,8 @@ def read_yaml(path: str | Path) -> dict:
     """A config file's mapping of sections; ConfigError when it is missing, not UTF-8, not YAML, has a
     key twice or is not a mapping."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found")
     raw = p.read_bytes()
@@ -201,7 +203,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         settings = list(_flatten(data).items())
     else:
         settings = []
-    settings += [parse_override(o) for o in overrides]
+    for o in overrides:   # 'optim={lr: 0.1}' is optim.lr=0.1, as the same mapping in a file would be
+        key, value = parse_override(o)
+        settings += list(_flatten(value, key + ".").items()) if isinstance(value, dict) and value else [(key, value)]
     return _apply(cfg, settings)
 
 

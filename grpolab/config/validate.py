@@ -65,6 +65,15 @@ def check_finite(section: Any, prefix: str) -> None:
             need(not _finite_problem(value), f"{key}: must be {what}, got {short(value)}")
 
 
+# seconds: the longest timeout a key accepts (about 115 days); Python's timers overflow on larger ones
+MAX_TIMEOUT = 1e7
+
+
+def memory_mb() -> int:
+    """This machine's physical memory in MB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 ** 20
+
+
 def max_threads() -> int:
     """train.threads ceiling: max(256, 4 x this machine's cores). The thread count fixes the order of
     torch's reductions, so a run is reproduced bit for bit with its own count, possibly from a bigger
@@ -254,15 +263,18 @@ def _reward(cfg: Config) -> None:
     for jname, j in w.judges.items():
         _judge(f"reward.judges.{jname}", j)
     c = w.code_exec
-    need(c.timeout > 0 and math.isfinite(c.timeout), "reward.code_exec.timeout: must be > 0 seconds")
+    need(0 < c.timeout <= MAX_TIMEOUT, f"reward.code_exec.timeout: must be > 0 and at most {MAX_TIMEOUT:.0f} seconds")
     need(c.memory_mb >= 64, "reward.code_exec.memory_mb: must be >= 64 (Python alone needs about 30 MB)")
     need(c.max_procs >= 1, "reward.code_exec.max_procs: must be >= 1")
     need(c.max_output >= 1, "reward.code_exec.max_output: must be >= 1 byte")
     need(c.max_concurrent >= 0, "reward.code_exec.max_concurrent: must be >= 0 (0 = the number of cores)")
     need(c.tmp_mb >= 1, "reward.code_exec.tmp_mb: must be >= 1")
+    need(c.tmp_mb <= memory_mb(), f"reward.code_exec.tmp_mb: {c.tmp_mb} MB is more than this machine's memory "
+         f"({memory_mb()} MB); a program could fill its /tmp with all of it")
     need(c.tmp_inodes >= 16, "reward.code_exec.tmp_inodes: must be >= 16")
     need(c.shm_mb >= 0, "reward.code_exec.shm_mb: must be >= 0 (0 = no shared memory)")
-    need(w.timeout >= 0, "reward.timeout: must be >= 0 seconds (0 = no limit)")
+    need(0 <= w.timeout <= MAX_TIMEOUT, f"reward.timeout: must be >= 0 and at most {MAX_TIMEOUT:.0f} seconds "
+         f"(0 = no limit)")
     need(len(set(w.functions)) == len(w.functions), "reward.functions: a reward is listed twice; list it once "
          "(give it a larger reward.weights entry to count it more)")
     if w.weights is not None:
@@ -392,6 +404,8 @@ def _train(cfg: Config) -> None:
     max_threads()."""
     t = cfg.train
     need(t.max_steps >= 0, "train.max_steps: must be >= 0")
+    need(-2 ** 63 <= t.seed < 2 ** 64, f"train.seed: {t.seed} does not fit in 64 bits (torch's seeds are in "
+         f"[-2^63, 2^64))")
     need(bool(t.output_dir), "train.output_dir: must be a directory path")
     for k in ("save_every", "eval_every", "threads"):
         need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")

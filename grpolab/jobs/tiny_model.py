@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 
-from ..models.tiny_hf import save_tiny_model
+from ..errors import ConfigError
+from ..models.tiny_hf import SPECIALS, save_tiny_model
 
 
 def run(out: str, data: str | None = None, vocab_size: int = 512) -> str:
     """Write the model to `out`; its tokenizer trains on `data`'s question/prompt and answer texts
     (default: arithmetic problems). The path written."""
+    least = 256 + len(SPECIALS)   # byte-level BPE: every byte, and the special tokens
+    if vocab_size < least:
+        raise ConfigError(f"--vocab-size: {vocab_size} is below {least} (the 256 bytes and {len(SPECIALS)} special "
+                          f"tokens every tokenizer of this kind has)")
     texts = None
     if data:
         with open(data) as f:

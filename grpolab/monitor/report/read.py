@@ -6,9 +6,12 @@ import json
 import math
 from pathlib import Path
 
+from ...errors import DataError
+
 
 def read_jsonl(path: Path) -> list[dict]:
-    """JSON objects, one a line; blank lines and a torn last line (a run still writing) are skipped."""
+    """JSON objects, one a line; blank lines and a torn last line (a run still writing) are skipped. A line
+    that is not JSON elsewhere is a DataError naming the file and the line (the CLI's one line, exit 2)."""
     rows = []
     if not path.exists():
         return rows
@@ -21,7 +24,7 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 continue
-            raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+            raise DataError(f"{path}: line {i + 1} is not JSON ({line[:40]!r}); fix or remove that line") from None
         if isinstance(obj, dict):
             rows.append(obj)
     return rows

@@ -1,0 +1,43 @@
+"""Small refusals and checks found by issue 48's hostile user: a tokenizer too small to exist, and a run
+comparison that an extra timing key must not fail."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, run_cli
+
+
+def test_tiny_model_refuses_a_vocabulary_below_its_bytes_and_specials(tmp_path):
+    for size in ("0", "259"):
+        r = run_cli("tiny-model", str(tmp_path / f"m{size}"), "--vocab-size", size, timeout=120)
+        assert r.returncode == 2, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert lines == [f"grpolab: config error: --vocab-size: {size} is below 260 (the 256 bytes and 4 special "
+                         f"tokens every tokenizer of this kind has)"], r.stderr
+        assert not (tmp_path / f"m{size}").exists()   # nothing written
+
+
+def _run_dir(path, rows):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _compare(a, b):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(a), str(b)], capture_output=True,
+                          text=True)
+
+
+def test_compare_runs_ignores_an_extra_timing_key_but_not_an_extra_metric(tmp_path):
+    base = _run_dir(tmp_path / "a", [{"step": 1, "reward": 0.5, "time/step": 1.0}])
+    # an async resume logs time/worker_start once more: still the same run
+    resumed = _run_dir(tmp_path / "b", [{"step": 1, "reward": 0.5, "time/worker_start": 3.0, "time/step": 2.0}])
+    r = _compare(base, resumed)
+    assert r.returncode == 0 and "IDENTICAL" in r.stdout, r.stdout
+    other = _run_dir(tmp_path / "c", [{"step": 1, "reward": 0.5, "kl": 0.0, "time/step": 1.0}])
+    r = _compare(base, other)
+    assert r.returncode == 1 and "keys differ" in r.stdout, r.stdout
+    changed = _run_dir(tmp_path / "d", [{"step": 1, "reward": 0.25, "time/step": 1.0}])
+    r = _compare(base, changed)
+    assert r.returncode == 1 and "reward: 0.5 vs 0.25" in r.stdout, r.stdout

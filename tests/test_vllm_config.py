@@ -37,9 +37,11 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed in this Python")
-def test_without_vllm_installed_the_error_says_how_to_install_it(tiny, tmp_path):
+@pytest.mark.parametrize("workers", [[], ["--rollout-workers", "1", "train.async_steps=1"]])
+def test_without_vllm_installed_the_error_says_how_to_install_it(tiny, tmp_path, workers):
+    # with rollout workers too: they import vLLM in their own processes, which used to abort there (exit 134)
     r = run_cli("train", "configs/demo.yaml", f"model.name_or_path={tiny}", "data.task=arithmetic",
-                "rollout.engine=vllm", "sft.steps=0", "train.max_steps=1", f"train.output_dir={tmp_path}")
+                "rollout.engine=vllm", "sft.steps=0", "train.max_steps=1", f"train.output_dir={tmp_path}", *workers)
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("grpolab: config error: rollout.engine: vllm needs vLLM in this Python"), r.stderr

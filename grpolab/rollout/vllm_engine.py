@@ -18,6 +18,7 @@ and, with its default thread binding, pins the process to part of the cores
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import tempfile
@@ -36,6 +37,18 @@ _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the engine runs in this proce
         "VLLM_CONFIGURE_LOGGING": "0"}             # vLLM's INFO lines stay out of the trainer's console
 
 
+def _missing(why: str) -> ConfigError:
+    return ConfigError(f"rollout.engine: vllm needs vLLM in this Python ({why}); on a CPU machine run `make "
+                       f"vllm` and use .venv-vllm/bin/grpolab, on a GPU pip install 'grpolab[vllm]' (docs/vllm.md)")
+
+
+def check_vllm_installed() -> None:
+    """The ConfigError `import_vllm` would raise when vLLM is not installed, without importing it (the
+    trainer's check before rollout workers, which import it in their own processes, start)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise _missing("No module named 'vllm'")
+
+
 def import_vllm():
     """The vllm module, or one ConfigError saying how to install it."""
     for k, v in _ENV.items():
@@ -44,9 +57,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"rollout.engine: vllm needs vLLM in this Python ({e.msg}); on a CPU machine run `make "
-                          f"vllm` and use .venv-vllm/bin/grpolab, on a GPU pip install 'grpolab[vllm]' (docs/vllm.md)"
-                          ) from None
+        raise _missing(e.msg) from None
     return vllm
 
 

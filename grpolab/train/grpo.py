@@ -50,7 +50,7 @@ from ..rollout.batch import RolloutBatch, cat_batches
 from ..rollout.engine import sample
 from ..rollout.keys import completion_keys
 from ..rollout.tool_decode import build_tool_use, tool_metrics
-from ..rollout.vllm_engine import VLLMEngine
+from ..rollout.vllm_engine import VLLMEngine, check_vllm_installed
 from ..rollout.worker_pool import WorkerPool
 from .base import Trainer
 from .critic import CriticTrainer
@@ -134,6 +134,8 @@ class GRPOTrainer(Trainer):
         # rollout.engine=vllm: a vLLM engine in this process, given the policy's weights before each rollout
         # (with rollout workers, the workers hold it: rollout/worker_process.py)
         self.vllm = self._vllm_engine(cfg) if cfg.rollout.engine == "vllm" and not cfg.train.worker_count else None
+        if cfg.rollout.engine == "vllm" and cfg.train.worker_count:
+            check_vllm_installed()   # here, in one line: a worker without vLLM would abort in its own process
         self.sync_time = 0.0   # seconds this step spent giving the vLLM engine the policy's weights
         # train.async_steps / rollout_workers: batches sampled ahead by worker processes (rollout/worker_pool.py),
         # started at the first step (after a resume has put back the weights and the batches in flight)

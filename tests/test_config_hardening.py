@@ -134,6 +134,13 @@ def test_a_section_given_as_a_mapping_on_the_command_line_sets_its_keys(tmp_path
               "finite number")
 
 
+def test_rollout_workers_are_at_most_the_cores(tmp_path):
+    cores = os.cpu_count()
+    assert load_config(None, [f"train.rollout_workers={cores}", "train.async_steps=1"]).train.rollout_workers == cores
+    _one_line(run_cli("train", "--rollout-workers", "5000", "train.async_steps=1", f"train.output_dir={tmp_path}",
+                      timeout=120), f"train.rollout_workers: 5000 is more than this machine's {cores} cores")
+
+
 def test_train_threads_has_a_ceiling():
     ceiling = max(256, 4 * os.cpu_count())
     assert max_threads() == ceiling

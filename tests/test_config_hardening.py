@@ -141,6 +141,15 @@ def test_rollout_workers_are_at_most_the_cores(tmp_path):
                       timeout=120), f"train.rollout_workers: 5000 is more than this machine's {cores} cores")
 
 
+@pytest.mark.parametrize("override", ["model.n_embd=40000", "model.block_size=1000000000"])
+def test_a_builtin_model_larger_than_the_machine_is_one_line(override, tmp_path):
+    # 40000 wide: 4 blocks x 12 x 40000^2 weights x 16 bytes (weights, gradients, two AdamW moments) ~ 1.2 TB;
+    # a 1e9-token context: cos/sin tables of 3 x 128 x 1e9 float32 each ~ 3 TB
+    _one_line(run_cli("train", override, "model.n_head=4", f"train.output_dir={tmp_path}", timeout=120),
+              "the built-in GPT would need at least", "more than this machine's")
+    assert load_config(None, ["model.n_embd=256", "model.block_size=4096"])   # a larger model that fits
+
+
 def test_train_threads_has_a_ceiling():
     ceiling = max(256, 4 * os.cpu_count())
     assert max_threads() == ceiling

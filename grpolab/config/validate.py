@@ -108,6 +108,19 @@ def _model(cfg: Config) -> None:
          "model.lora_target_modules: give a list of layer names such as [q_proj, v_proj], or null for all")
     need(m.n_embd % m.n_head == 0 and (m.n_embd // m.n_head) % 2 == 0,
          f"model.n_embd: {m.n_embd} must be a multiple of 2*model.n_head ({2 * m.n_head}) for RoPE")
+    if m.name_or_path == "builtin":
+        need(builtin_bytes(m.n_layer, m.n_embd, m.block_size) <= memory_mb() * 2 ** 20,
+             f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}, model.block_size={m.block_size}: the built-in "
+             f"GPT would need at least {builtin_bytes(m.n_layer, m.n_embd, m.block_size) / 2 ** 30:.1f} GB to train "
+             f"(weights, gradients and AdamW's two moments in float32, and its rotary tables), more than this "
+             f"machine's {memory_mb() / 2 ** 10:.1f} GB")
+
+
+def builtin_bytes(n_layer: int, n_embd: int, block_size: int, vocab: int = 256) -> int:
+    """A lower bound of the built-in GPT's training memory: 16 bytes per parameter (12 n_embd^2 per block, the
+    embeddings and the head of `vocab` at most the character tokenizer's) and its cos/sin tables, float32
+    (3 n_embd x block_size each)."""
+    return 16 * (12 * n_layer * n_embd ** 2 + 2 * vocab * n_embd) + 2 * 4 * 3 * n_embd * block_size
 
 
 def _stage_optimizers(cfg: Config) -> None:

@@ -343,6 +343,17 @@ def test_returned_values_at_the_edges(faults, value, ok):
     assert str(e.value).startswith(f"reward function '{path}:returns' returned {value!r} for sample 0")
 
 
+@pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400)])
+def test_an_int_beyond_every_float_is_a_reward_error_not_an_overflow(faults, value):
+    path, mod = faults
+    mod.RETURN = [value]
+    with pytest.raises(RewardError) as e:   # float(10**400) raises OverflowError; it used to escape as a traceback
+        score([f"{path}:returns"], None, ["q"], ["a"], {})
+    assert str(e.value) == (f"reward function '{path}:returns' returned {repr(value)[:20]}... ({len(repr(value))} "
+                            f"characters) for sample 0, beyond float32's range (|r| <= 3.403e+38) that rewards are "
+                            f"trained in; rescale the reward")
+
+
 def test_a_weighted_sum_that_overflows_float32_is_a_reward_error(faults):
     path, _ = faults
     with pytest.raises(RewardError, match=r"the weighted sum of the rewards overflows float32 on sample 0"):

@@ -326,9 +326,13 @@ def _number(v) -> float | None:
             v = v.item()      # numpy scalar / 0-d array, torch 0-d tensor
         except (TypeError, ValueError, RuntimeError):
             return None
-    if isinstance(v, numbers.Real) and math.isfinite(v):
-        return float(v)
-    return None
+    if not isinstance(v, numbers.Real):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:   # an int beyond every float (10**400): out of range, as 1e39 is
+        return math.inf if v > 0 else -math.inf
+    return x if math.isfinite(x) else None
 
 
 def _column(name: str, values, n: int) -> tuple[torch.Tensor, dict[str, list]]:
@@ -361,7 +365,8 @@ def _column(name: str, values, n: int) -> tuple[torch.Tensor, dict[str, list]]:
             raise RewardError(f"reward function {name!r} returned {v!r} for sample {i}; "
                               f"return a finite float or None")
         if abs(x) > FLOAT32_MAX:   # rewards are float32 tensors: refused like inf, not clipped to a made-up value
-            raise RewardError(f"reward function {name!r} returned {v!r} for sample {i}, beyond float32's range "
+            shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:20]}... ({len(repr(v))} characters)"
+            raise RewardError(f"reward function {name!r} returned {shown} for sample {i}, beyond float32's range "
                               f"(|r| <= {FLOAT32_MAX:.4g}) that rewards are trained in; rescale the reward")
         col[i] = x
     return col, extras

@@ -1,5 +1,5 @@
-"""Small refusals and checks found by issue 48's hostile user: a tokenizer too small to exist, and a run
-comparison that an extra timing key must not fail."""
+"""Small refusals and fixes found by issue 48's hostile user: a tokenizer too small to exist, a run
+comparison that an extra timing key must not fail, generated tasks that ignored the system prompt."""
 
 import json
 import subprocess
@@ -41,3 +41,17 @@ def test_compare_runs_ignores_an_extra_timing_key_but_not_an_extra_metric(tmp_pa
     changed = _run_dir(tmp_path / "d", [{"step": 1, "reward": 0.25, "time/step": 1.0}])
     r = _compare(base, changed)
     assert r.returncode == 1 and "reward: 0.5 vs 0.25" in r.stdout, r.stdout
+
+
+def test_the_system_prompt_and_suffix_reach_the_generated_tasks_prompts():
+    from grpolab.config.load import load_config
+    from grpolab.jobs.inputs import load_data
+    plain, _ = load_data(load_config(None, ["data.task=arithmetic"]))
+    train, test = load_data(load_config(None, ["data.task=arithmetic", "data.system_prompt=Be brief.",
+                                               "data.prompt_suffix=Show your work."]))
+    assert isinstance(plain[0]["prompt"], str)   # unchanged without them (the demo's prompts)
+    for got, was in zip(train[:5], plain[:5]):
+        assert got["prompt"] == [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": was["prompt"] + " Show your work."}]
+        assert got["answer"] == was["answer"]
+    assert test[0]["prompt"][0] == {"role": "system", "content": "Be brief."}

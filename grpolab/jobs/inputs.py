@@ -61,6 +61,10 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     else:
         train, test = (_read_split(d, path, split) for path, split in
                        ((d.train_path, d.train_split), (d.test_path or d.train_path, d.test_split)))
+    if d.task in ("arithmetic", "pyfunc", "humaneval") and (d.system_prompt or d.prompt_suffix):
+        # the generated tasks' prompts take the system prompt and suffix as any dataset's do
+        train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
+                                      source=f"data.task={d.task}") for r in (train, test))
     train = train[:d.train_size] if d.train_size else train
     return _with_data_source(train, d), _with_data_source(test, d)
 

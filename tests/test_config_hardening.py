@@ -150,6 +150,17 @@ def test_a_builtin_model_larger_than_the_machine_is_one_line(override, tmp_path)
     assert load_config(None, ["model.n_embd=256", "model.block_size=4096"])   # a larger model that fits
 
 
+def test_a_yaml_alias_bomb_is_one_line_not_a_spin(tmp_path):
+    bomb = tmp_path / "bomb.yaml"   # 9^9 values once expanded, all under one valid key
+    bomb.write_text("rollout:\n  tools:\n" + "\n".join(
+        f"    - &a{i} [{', '.join(['lol'] * 9 if i == 0 else [f'*a{i - 1}'] * 9)}]" for i in range(9)) + "\n")
+    _one_line(run_cli("train", str(bomb), f"train.output_dir={tmp_path / 'run'}", timeout=120),
+              "its YAML aliases (*name) expand to more than 100,000 values")
+    ok = tmp_path / "merge.yaml"   # an ordinary anchor and merge still read
+    ok.write_text("optim: &o {lr: 0.001}\ndpo:\n  <<: *o\n")
+    assert load_config(str(ok)).dpo.lr == 0.001
+
+
 def test_train_threads_has_a_ceiling():
     ceiling = max(256, 4 * os.cpu_count())
     assert max_threads() == ceiling

@@ -188,7 +188,29 @@ def read_yaml(path: str | Path) -> dict:
                           f"level); a config is sections of keys") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    _check_expanded(data, f"config file {str(p)!r}")
     return data
+
+
+# values a config may hold once its YAML aliases (*name) are expanded: far above any real config, far below
+# an alias bomb (nine levels of nine aliases each: 387 million), which the config's walks would expand forever
+MAX_VALUES = 100_000
+
+
+def _check_expanded(data, where: str) -> None:
+    """ConfigError when `data`, with every alias expanded, holds more than MAX_VALUES values (counted over
+    the shared objects once each, so the count itself costs nothing)."""
+    sizes: dict[int, int] = {}
+
+    def size(x) -> int:
+        if id(x) not in sizes:
+            sizes[id(x)] = 0   # (a cycle counts once)
+            kids = list(x.keys()) + list(x.values()) if isinstance(x, dict) else x if isinstance(x, list) else []
+            sizes[id(x)] = min(1 + sum(size(k) for k in kids), MAX_VALUES + 1)
+        return sizes[id(x)]
+    if size(data) > MAX_VALUES:
+        raise ConfigError(f"{where}: its YAML aliases (*name) expand to more than {MAX_VALUES:,} values; a config "
+                          f"is sections of keys")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (),
@@ -205,6 +227,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         settings = []
     for o in overrides:   # 'optim={lr: 0.1}' is optim.lr=0.1, as the same mapping in a file would be
         key, value = parse_override(o)
+        _check_expanded(value, f"override {key}")
         settings += list(_flatten(value, key + ".").items()) if isinstance(value, dict) and value else [(key, value)]
     return _apply(cfg, settings)
 

@@ -1,5 +1,5 @@
 """Small refusals and fixes found by issue 48's hostile user: a tokenizer too small to exist, a run
-comparison that an extra timing key must not fail, generated tasks that ignored the system prompt."""
+comparison that an extra timing key must not fail, generated tasks that ignored the system prompt, a NaN answer."""
 
 import json
 import subprocess
@@ -55,3 +55,16 @@ def test_the_system_prompt_and_suffix_reach_the_generated_tasks_prompts():
                                  {"role": "user", "content": was["prompt"] + " Show your work."}]
         assert got["answer"] == was["answer"]
     assert test[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_a_nan_answer_in_a_jsonl_file_is_a_data_error(tmp_path):
+    import pytest
+
+    from grpolab.data.loading import normalize_rows, read_records
+    from grpolab.errors import DataError
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a?", "answer": 3}\n{"prompt": "b?", "answer": NaN}\n')   # json.loads reads NaN
+    with pytest.raises(DataError, match=r"row 2: answer 'answer' is nan \(not a number one can be right about\)"):
+        normalize_rows(read_records(str(path), "train", None), source=str(path))
+    path.write_text('{"prompt": "a?", "answer": 3}\n{"prompt": "b?", "answer": 2.5}\n')
+    assert [r["answer"] for r in normalize_rows(read_records(str(path), "train", None))] == ["3", "2.5"]

@@ -14,6 +14,7 @@ reward functions receive dataset columns by name.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Iterable
@@ -368,6 +369,9 @@ def _answer_of(record: dict, answer_key: str | None, where: str) -> str | None:
         return None
     if value is None or isinstance(value, str):
         return value
+    if isinstance(value, float) and not math.isfinite(value):   # JSON's NaN/Infinity: no answer to check against
+        raise DataError(f"{where}: answer {name} is {value} (not a number one can be right about); fix the row or "
+                        f"drop it")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     raise DataError(f"{where}: answer {name} must be a string or a number, got {_preview(value)}; "

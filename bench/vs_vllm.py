@@ -34,7 +34,7 @@ gemm: the model's linear layers at decode shapes (8 and 32 rows), fp32, 1 thread
 Each section prints one JSON line; the whole result goes to --out (bench/results/vllm.json) with the
 command line, date, machine, load averages and versions.
 
-    PYTHONPATH=. .venv-vllm/bin/python bench/vllm.py [--runs 3] [--prompts 4] [--max-new 128]
+    PYTHONPATH=. .venv-vllm/bin/python bench/vs_vllm.py [--runs 3] [--prompts 4] [--max-new 128]
         [--grpo-runs 2] [--grpo-steps 3] [--concurrency 1 8 64] [--skip-rollout|grpo|serving|gemm] [--update]
 """
 
@@ -50,8 +50,6 @@ for _k, _v in {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 import sys  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# this file is bench/vllm.py: with bench/ first on sys.path, `import vllm` would import it again
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != HERE]
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

@@ -68,3 +68,35 @@ def test_a_nan_answer_in_a_jsonl_file_is_a_data_error(tmp_path):
         normalize_rows(read_records(str(path), "train", None), source=str(path))
     path.write_text('{"prompt": "a?", "answer": 3}\n{"prompt": "b?", "answer": 2.5}\n')
     assert [r["answer"] for r in normalize_rows(read_records(str(path), "train", None))] == ["3", "2.5"]
+
+
+T = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=96", "sft.steps=2", "sft.bare_steps=0",
+     "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8", "eval.num_problems=4",
+     "eval.k=2", "train.threads=1"]
+
+
+def test_a_second_run_on_a_live_run_directory_is_refused_naming_the_process(tmp_path):
+    import os
+    import signal
+
+    from conftest import wait_for_rows
+    out = tmp_path / "lk"
+    first = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", *T, "train.max_steps=400",
+                              "train.save_every=1", f"train.output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_rows(out / "metrics.jsonl", 2, first)
+        assert first.poll() is None, first.stderr.read()
+        r = run_cli("train", *T, "train.max_steps=400", f"train.output_dir={out}", "train.resume=auto", timeout=300)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines() == [f"grpolab: config error: train.output_dir: {out} is in use by another "
+                                                 f"grpolab run (pid {first.pid}); wait for it to end, or give another "
+                                                 f"train.output_dir"], r.stderr
+        assert first.poll() is None   # the live run goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # the kernel released the lock with the process: resuming now works
+    r = run_cli("train", *T, "train.max_steps=3", f"train.output_dir={out}", "train.resume=auto", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / ".lock").read_text() != str(first.pid) and os.path.exists(out / "eval.json")

@@ -3,6 +3,7 @@ the report."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -47,12 +48,41 @@ def make_console(cfg: Config) -> Console:
     return Console(level=cfg.log.level) if distributed.world_from_env().main else Console(quiet=True)
 
 
+# run directories this process holds (their lock files stay open, so locked, until the process ends)
+_HELD: dict[str, object] = {}
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take the run directory for this process: an exclusive flock on run_dir/.lock, held until the process
+    ends (the kernel releases it on any death, a SIGKILL included). ConfigError naming the directory and the
+    other process's pid when another grpolab process holds it: two runs writing one directory would resume
+    into each other's checkpoints."""
+    key = str(run_dir.resolve())
+    if key in _HELD:
+        return
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise ConfigError(f"train.output_dir: {run_dir} is in use by another grpolab run (pid {pid}); wait for it "
+                          f"to end, or give another train.output_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _HELD[key] = f
+
+
 def write_run_config(cfg: Config, run_dir: Path, job: str | None = None) -> None:
     """config.yaml of the run. With train.resume, first: the checkpoint to resume must be usable, of
     `job` (when given; else the checkpoint's job is assumed), and the config may change only the keys
     resume_rules.py allows, so config.yaml keeps describing the weights (ConfigError listing the keys)."""
     check_output_dir(cfg)   # before any work: an unwritable train.output_dir is a config error naming the key
     if distributed.world_from_env().main:
+        lock_run_dir(run_dir)
         text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
         if ckpt is not None:   # before config.yaml is rewritten: a refused resume leaves it as it was

@@ -77,30 +77,33 @@ def test_greedy_tokens_equal_transformers_generate(smol, lean):
 
 @pytest.mark.slow
 def test_sampler_logprobs_equal_the_trainers_and_a_plain_forward(smol):
-    """The trainer's padded-batch log-probs == log_softmax of a plain unpadded transformers forward, to 1e-5.
+    """The trainer's padded-batch log-probs == log_softmax of a plain unpadded transformers forward, to 2e-5
+    (1.05e-5 on the 2-core EPYC of 2026-11-28).
     The engine's sampler log-probs come from token-by-token decoding with a KV cache: on this 30-layer model
     float32 rounding puts them 1.7e-5 from the plain forward (HF's own cache decode: 1.5e-5, measured on
-    these tokens), so they are held to 3e-5; a real mismatch (wrong position, mask or temperature) is >1e-2."""
+    these tokens), and 3.2e-5 on the 2-core EPYC of 2026-11-28 (other kernels), so they are held to 5e-5; a
+    real mismatch (wrong position, mask or temperature) is >1e-2."""
     model, tok = smol
     prompts = [tok.render_prompt(p) for p in PROMPTS[:2]]
     g = generate(model, prompts, num_generations=2, max_new_tokens=12, temperature=0.8, stop_ids=tok.stop_ids,
                  pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
     lp = completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, 0.8)
-    torch.testing.assert_close(lp[g.completion_mask], g.sampler_logprobs[g.completion_mask], atol=3e-5, rtol=0)
+    torch.testing.assert_close(lp[g.completion_mask], g.sampler_logprobs[g.completion_mask], atol=5e-5, rtol=0)
     for i in range(len(g.completion_ids)):
         p = g.prompt_ids[i][g.prompt_mask[i]]
         c = g.completion_ids[i][g.completion_mask[i]]
         with torch.no_grad():
             logits = model.hf(torch.cat([p, c])[None]).logits[0, len(p) - 1:-1] / 0.8
         plain = logits.log_softmax(-1).gather(-1, c[:, None]).squeeze(-1)
-        torch.testing.assert_close(lp[i][g.completion_mask[i]], plain, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp[i][g.completion_mask[i]], plain, atol=2e-5, rtol=0)
 
 
 @pytest.mark.slow
 def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
     """With peft adapters (the real-model configs' LoRA, B made non-zero) rollouts still take the lean path,
     which merges the adapters into its weights; the trainer's forward keeps them separate, one rounding more
-    than above: up to 3.2e-5 measured (2 threads, CI), so held to 5e-5; a missing adapter is > 1e-3."""
+    than above: up to 3.2e-5 measured (2 threads, CI), 5.1e-5 on the 2-core EPYC of 2026-11-28 in the full
+    suite, so held to 8e-5; a missing adapter is > 1e-3."""
     import copy
 
     from grpolab.models.lean_decode import LeanCache
@@ -115,7 +118,7 @@ def test_lora_sampler_logprobs_through_the_lean_path_equal_the_trainers(smol):
                    pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
     lp = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, 0.8)
     m = out.completion_mask
-    torch.testing.assert_close(lp[m], out.sampler_logprobs[m], atol=5e-5, rtol=0)
+    torch.testing.assert_close(lp[m], out.sampler_logprobs[m], atol=8e-5, rtol=0)
     with model.hf.disable_adapter(), torch.no_grad():   # the adapters mattered
         base = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, m, 0.8)
     assert (base[m] - lp[m]).abs().max() > 1e-3

@@ -58,13 +58,13 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
         out = slot_decode.generate(model, prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
                                    pad_id=pad_id, keys=keys, budgets=budgets, on_tokens=on_tokens)
-        return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
-    with torch.inference_mode():
-        session = None if tools is None else ToolSession(tools, len(prompts) * num_generations, max_new_tokens,
-                                                          next(model.parameters()).device)
-        out = decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids, pad_id,
-                     generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session,
-                     penalties=pen, budgets=budgets, on_tokens=on_tokens)
+    else:
+        with torch.inference_mode():
+            session = None if tools is None else ToolSession(tools, len(prompts) * num_generations, max_new_tokens,
+                                                              next(model.parameters()).device)
+            out = decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids,
+                         pad_id, generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session,
+                         penalties=pen, budgets=budgets, on_tokens=on_tokens)
     # inference-mode tensors cannot enter autograd; the trainer differentiates through these ids
     return dataclasses.replace(out, **{k: t.clone() for k, t in out.tensors().items()})
 

@@ -436,6 +436,8 @@ def _async(cfg: Config) -> None:
     for k in ("async_steps", "rollout_workers", "worker_threads"):
         need(getattr(t, k) >= 0, f"train.{k}: must be >= 0")
     need(t.worker_threads <= max_threads(), f"train.worker_threads: {t.worker_threads} is more than {max_threads()}")
+    need(0 <= t.worker_stall_timeout <= MAX_TIMEOUT,
+         f"train.worker_stall_timeout: must be >= 0 and at most {MAX_TIMEOUT:.0f} seconds (0 = wait forever)")
     cores = os.cpu_count() or 1
     need(t.rollout_workers <= cores, f"train.rollout_workers: {t.rollout_workers} is more than this machine's {cores} "
          f"cores; each worker is a process sampling on at least one core (or one GPU)")

@@ -444,9 +444,10 @@ class TrainConfig:
                                      "sample in the trainer's process, or 1 worker when async_steps > 0. A batch's "
                                      "prompts are split over the workers; the completions do not depend on how "
                                      "many (their sampler log-probs only to float rounding)")
-    worker_stall_timeout: float = option(600.0, "seconds a rollout worker may go without a sign of progress (a "
-                                                "finished batch or a heartbeat) before the trainer stops with one line "
-                                                "naming it (exit 2; resume with train.resume=auto); 0 = wait forever")
+    worker_stall_timeout: float = option(120.0, "seconds a rollout worker's process may go without a sign of life "
+                                                "(a heartbeat every second; SIGSTOP, Ctrl-Z or a frozen machine stop "
+                                                "it) before a trainer waiting on it stops with one line naming it "
+                                                "(exit 2; train.resume=auto continues exactly); 0 = wait forever")
     worker_threads: int = option(0, "torch CPU threads per rollout worker (0 = train.threads, or 1 when that is 0 "
                                     "too); compare at equal total threads: train.threads + workers x worker_threads")
     strategy: str = option("ddp", "with several ranks: ddp (every rank holds the whole model, gradients summed) | "

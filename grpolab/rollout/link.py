@@ -26,6 +26,14 @@ MODEL, WEIGHTS, GENERATE, STOP = 1, 2, 3, 4
 # the trainer for a batch as long as its generation takes: no deadline on either; a peer's death
 # is noticed by its closed sockets (and process handles) instead.
 WAIT = timedelta(days=7)
+# ...except a peer that stops without dying (SIGSTOP, a frozen machine): each worker adds one to its store
+# counter every BEAT_S seconds, and the trainer names one whose count stops moving (rollout/worker_pool.py)
+BEAT_S = 1.0
+
+
+def beat_key(worker: int) -> str:
+    """The store counter of worker `worker`'s heartbeat."""
+    return f"heartbeat/{worker}"
 
 
 def host_store(size: int, timeout_s: float = 120.0) -> tdist.TCPStore:

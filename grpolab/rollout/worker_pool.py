@@ -8,7 +8,10 @@ sends the model once and each new weight version once (a broadcast), sends each 
 calls, and hands back each batch's completions, whole, in batch order.
 
 A worker that dies, or a trainer that dies, ends the run: the other side's pending call fails at once
-(closed sockets), and each side also watches the other's process.
+(closed sockets), and each side also watches the other's process. A worker that stops without dying
+(SIGSTOP, Ctrl-Z, a frozen machine) stops beating: each worker counts a heartbeat on the trainer's store
+every second, and a trainer waiting on a worker whose count has not moved for train.worker_stall_timeout
+seconds ends the run naming it.
 """
 
 from __future__ import annotations
@@ -45,9 +48,18 @@ class WorkerPool:
     """`n` rollout worker processes with `threads` torch threads each, on `devices` (CPU, or one GPU each).
     A worker prints tracebacks when GRPOLAB_DEBUG=1 (`grpolab --debug` sets it)."""
 
-    def __init__(self, n: int, threads: int, devices: list[str], cuda_deterministic: bool = True) -> None:
+    def __init__(self, n: int, threads: int, devices: list[str], cuda_deterministic: bool = True,
+                 stall_timeout: float = 0.0) -> None:
         self.n = n
+        self.stall_timeout = stall_timeout   # 0: wait forever
         self.store = link.host_store(n + 1)
+        # heartbeats read over a connection of their own: a client's calls take turns, and the groups' set-up
+        # waits on the store for every worker (a stopped one: forever)
+        self.beat_store = link.connect_store("127.0.0.1", self.store.port, n + 1)
+        now = time.monotonic()
+        self.beats = {w: (0, now) for w in range(1, n + 1)}   # worker -> (its count, when it last moved)
+        self._beats_read = now
+        self._call: threading.Thread | None = None   # the last watched call (a stalled worker can leave it blocked)
         self.procs: list[subprocess.Popen] = []
         for w in range(1, n + 1):
             env = dict(os.environ, GRPOLAB_WORKERS=str(n), GRPOLAB_WORKER_RANK=str(w),
@@ -64,23 +76,36 @@ class WorkerPool:
         self.closing = False
         self.cond = threading.Condition()
         # the trainer's end: its own current GPU (the workers' GPUs are theirs), or the CPU
-        self.link = self._join("cuda" if devices[0].startswith("cuda") else "cpu")
+        self.receivers: list[threading.Thread] = []
+        try:
+            self.link = self._join("cuda" if devices[0].startswith("cuda") else "cpu")
+        except BaseException:   # none of the workers may outlive a start that failed (a stopped one included)
+            self.failure = self.failure or "starting"
+            self.close()
+            raise
         self.receivers = [threading.Thread(target=self._receive, args=(w,), daemon=True) for w in range(1, n + 1)]
         for t in self.receivers:
             t.start()
 
     def _join(self, device: str) -> link.Link:
         """Build the groups while watching the processes: a worker that fails to start is one line, now."""
+        out = self._watched(link.Link.join, self.store, 0, self.n + 1, device, when="while starting")
+        if isinstance(out, Exception):
+            self._check_processes("while starting", wait=REAP_S)
+            raise TrainingError(f"rollout workers could not connect: {out}".splitlines()[0])
+        return out
+
+    def _watched(self, fn, *args, when: str = ""):
+        """fn(*args) (its value, or the exception it raised) in a thread of its own, while this one watches the
+        workers: a gloo call blocks in C, where neither a dead or stalled worker nor Ctrl-C would be noticed.
+        A stalled worker or a second Ctrl-C leaves the thread blocked; `close` kills the workers, which frees it."""
         box: list = []
-        t = threading.Thread(target=lambda: box.append(self._try(link.Link.join, self.store, 0, self.n + 1, device)),
-                             daemon=True)
+        t = self._call = threading.Thread(target=lambda: box.append(self._try(fn, *args)), daemon=True)
         t.start()
         while t.is_alive():
             t.join(POLL_S)
-            self._check_processes("while starting")
-        if isinstance(box[0], Exception):
-            self._check_processes("while starting", wait=REAP_S)
-            raise TrainingError(f"rollout workers could not connect: {box[0]}".splitlines()[0])
+            self._check_processes(when)
+            self._check_stalls(when)
         return box[0]
 
     @staticmethod
@@ -120,23 +145,43 @@ class WorkerPool:
                 return
             time.sleep(0.05)
 
+    def _check_stalls(self, when: str = "") -> None:
+        """Raise the one line for a worker whose heartbeat has not moved for stall_timeout seconds (read at
+        most once per heartbeat period)."""
+        now = time.monotonic()
+        if not self.stall_timeout or now - self._beats_read < link.BEAT_S:
+            return
+        self._beats_read = now
+        for w, p in enumerate(self.procs, 1):
+            count = self.beat_store.add(link.beat_key(w), 0)
+            seen, since = self.beats[w]
+            if count != seen:
+                self.beats[w] = (count, now)
+            elif now - since > self.stall_timeout:
+                self.failure = self.failure or f"rollout worker {w}"
+                raise TrainingError(f"rollout worker {w} (pid {p.pid}) has shown no sign of life for "
+                                    f"{now - since:.0f} s{' ' + when if when else ''} (stopped by SIGSTOP or Ctrl-Z, "
+                                    f"or frozen; train.worker_stall_timeout = {self.stall_timeout:g} s); {STOPPED}")
+
     def _lost(self) -> None:
         self._check_processes(wait=REAP_S)
         raise TrainingError(f"{self.failure} stopped answering; {STOPPED}")
 
-    def _send(self, fn, *args, **kw) -> None:
-        """A broadcast to the workers; a dead one turns the gloo error into the one line."""
-        try:
-            fn(*args, **kw)
-        except RuntimeError:
+    def _send(self, fn, *args) -> None:
+        """A broadcast to the workers; a dead one turns the gloo error into the one line, a stalled one is
+        named after train.worker_stall_timeout."""
+        out = self._watched(fn, *args)
+        if isinstance(out, RuntimeError):
             self.failure = self.failure or "a rollout worker"
             self._lost()
+        if isinstance(out, Exception):
+            raise out
 
     # ------------------------------------------------------------ the trainer's calls
     def ship(self, model: torch.nn.Module, version: int, vllm: dict | None = None) -> None:
         """The model (architecture and every weight, as it is now: `version`) to every worker, once; `vllm`:
         VLLMEngine's options, for workers that sample with a vLLM engine built on the model's config."""
-        self._send(self.link.send_command, link.MODEL, version=version, payload={"model": model, "vllm": vllm})
+        self._send(self.link.send_command, link.MODEL, 0, version, {"model": model, "vllm": vllm})
         self.trained = [p for p in model.parameters() if p.requires_grad]
         self.version = version
 
@@ -144,7 +189,7 @@ class WorkerPool:
         """The trained weights as they are now, as `version`, to every worker (once per version)."""
         if version == self.version:
             return
-        self._send(self.link.send_command, link.WEIGHTS, version=version)
+        self._send(self.link.send_command, link.WEIGHTS, 0, version)
         self._send(self.link.broadcast_weights, link.flat_weights(self.trained))
         self.version = version
 
@@ -153,7 +198,7 @@ class WorkerPool:
         'prompts') split over the workers by prompt, sampled with weight `version` (already published)."""
         if version != self.version:
             raise ValueError(f"batch {batch} needs weight version {version}; version {self.version} is published")
-        self._send(self.link.send_command, link.GENERATE, batch=batch, version=version, payload=calls)
+        self._send(self.link.send_command, link.GENERATE, batch, version, calls)
 
     def take(self, batch: int, pad_id: int) -> tuple[list[Generation | None], dict]:
         """Batch `batch`, whole: one Generation per sampling call (the workers' shares joined in prompt
@@ -163,6 +208,7 @@ class WorkerPool:
                 self.cond.wait(POLL_S)
                 if any(p.poll() is not None for p in self.procs):
                     break
+                self._check_stalls()
             parts = [self.results.pop((batch, w), None) for w in range(1, self.n + 1)]
         if any(p is None for p in parts):
             self._lost()
@@ -182,12 +228,13 @@ class WorkerPool:
         """Stop the workers (and wait for them); kill any that does not stop within seconds. After a
         failure the others are killed at once (they hold nothing a checkpoint needs)."""
         self.closing = True
-        if self.failure is None and all(p.poll() is None for p in self.procs):
-            try:
-                self.link.send_command(link.STOP)
-            except RuntimeError:
-                pass
-        else:
+        blocked = self._call is not None and self._call.is_alive()   # after a stall or a second Ctrl-C
+        stop = None
+        if self.failure is None and not blocked and all(p.poll() is None for p in self.procs):
+            stop = threading.Thread(target=self._try, args=(self.link.send_command, link.STOP), daemon=True)
+            stop.start()
+            stop.join(REAP_S)   # a worker stopped since its last heartbeat would hold the broadcast forever
+        if stop is None or stop.is_alive():
             for p in self.procs:
                 if p.poll() is None:
                     p.kill()
@@ -197,6 +244,10 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        # the threads blocked in gloo calls to the workers fail once their sockets close; a process that exits
+        # while one is still inside gloo aborts ("terminate called without an active exception")
+        for t in [*self.receivers, *([self._call] if self._call is not None else [])]:
+            t.join(REAP_S)
 
 
 class WorkerError(RuntimeError):

@@ -132,6 +132,16 @@ class Worker:
             idle_since = time.perf_counter()
 
 
+def _beat(store, rank: int) -> None:
+    """The heartbeat the trainer watches (link.BEAT_S): this process runs. Ends with the trainer's store."""
+    try:
+        while True:
+            store.add(link.beat_key(rank), 1)
+            time.sleep(link.BEAT_S)
+    except Exception:   # noqa: BLE001 - the trainer is gone; _watch_parent ends this process
+        return
+
+
 def _watch_parent(parent: int) -> None:
     """A worker never outlives its trainer (a SIGKILLed trainer cannot tell it to stop)."""
     while os.getppid() == parent:
@@ -151,6 +161,9 @@ def main() -> int:
         if env.get("GRPOLAB_CUDA_DETERMINISTIC") == "1":   # train.cuda_deterministic, as in the trainer
             pin_cuda_numerics()
     size = int(env["GRPOLAB_WORKERS"]) + 1
+    # the heartbeat on a connection of its own: the groups' set-up below waits on the store for every peer
+    beats = link.connect_store("127.0.0.1", int(env["GRPOLAB_LINK_PORT"]), size)
+    threading.Thread(target=_beat, args=(beats, int(env["GRPOLAB_WORKER_RANK"])), daemon=True).start()
     store = link.connect_store("127.0.0.1", int(env["GRPOLAB_LINK_PORT"]), size)
     worker = Worker(link.Link.join(store, int(env["GRPOLAB_WORKER_RANK"]), size, device),
                     debug=env.get("GRPOLAB_DEBUG") == "1")

@@ -278,7 +278,13 @@ class GRPOTrainer(Trainer):
         threads = t.worker_threads or t.threads or 1
         cpu = self.device.type == "cpu"
         devices = ["cpu" if cpu else f"cuda:{self.world.local_size + i}" for i in range(self.n_workers)]
-        pool = WorkerPool(self.n_workers, threads, devices, cuda_deterministic=t.cuda_deterministic)
+        pool = WorkerPool(self.n_workers, threads, devices, cuda_deterministic=t.cuda_deterministic,
+                          stall_timeout=t.worker_stall_timeout)
+        if self.console is not None and self.world.main:
+            self.console.info(f"rollout workers: {self.n_workers} process{'es' if self.n_workers > 1 else ''} "
+                              f"(pid {', '.join(str(p.pid) for p in pool.procs)}), {threads} torch thread"
+                              f"{'s' if threads > 1 else ''} each, sampling {t.async_steps} step"
+                              f"{'s' if t.async_steps != 1 else ''} ahead of the update (docs/async.md)")
         pool.ship(self.model, self.step, self._vllm_options(self.cfg) if self.cfg.rollout.engine == "vllm" else None)
         return pool
 

@@ -21,7 +21,7 @@ from ..models.checkpoint import checkpoint_job, run_config_of
 # training step computes.
 SAFE_KEYS: tuple[str, ...] = (
     "train.max_steps", "train.save_every", "train.keep_checkpoints", "train.eval_every", "train.log_every",
-    "train.max_bad_steps", "train.resume", "train.output_dir",
+    "train.max_bad_steps", "train.resume", "train.output_dir", "train.worker_stall_timeout",
     "log.*", "eval.*",
     "reward.timeout", "reward.code_exec.max_concurrent", "reward.judges.*.concurrency",
 )

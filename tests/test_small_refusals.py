@@ -100,3 +100,22 @@ def test_a_second_run_on_a_live_run_directory_is_refused_naming_the_process(tmp_
     r = run_cli("train", *T, "train.max_steps=3", f"train.output_dir={out}", "train.resume=auto", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / ".lock").read_text() != str(first.pid) and os.path.exists(out / "eval.json")
+
+
+def test_a_run_refused_while_it_is_set_up_leaves_no_run_directory(tmp_path):
+    """Malformed data is found after config.yaml is written (the data loads after the run directory is taken):
+    the refusal must not leave a run behind. A directory that held something already keeps it."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    args = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=96", "sft.steps=2",
+            "sft.bare_steps=0", "data.task=files", f"data.train_path={bad}", f"data.test_path={bad}", "train.threads=1"]
+    fresh = tmp_path / "fresh"
+    r = run_cli("train", *args, f"train.output_dir={fresh}", timeout=300)
+    assert r.returncode == 2 and "bad.jsonl" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not fresh.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    r = run_cli("train", *args, f"train.output_dir={kept}", timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert sorted(p.name for p in kept.iterdir()) == [".lock", "notes.txt"]

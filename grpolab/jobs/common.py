@@ -3,8 +3,10 @@ the report."""
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -89,7 +91,23 @@ def write_run_config(cfg: Config, run_dir: Path, job: str | None = None) -> None
             if job is not None:
                 check_resume_job(ckpt, job)
             check_resume_config(yaml.safe_load(text), ckpt, job)
+        if not (run_dir / "config.yaml").exists():
+            atexit.register(_drop_if_unstarted, run_dir, {p.name for p in run_dir.iterdir()} | {".lock"})
         (run_dir / "config.yaml").write_text(text)
+
+
+def _drop_if_unstarted(run_dir: Path, before: set[str]) -> None:
+    """At exit: a run refused while it was being set up (its data, reward, model) wrote only config.yaml and
+    the lock beside what `before` names; remove config.yaml (and the directory, when only the lock was
+    there before), so no run seems to exist there."""
+    try:
+        if {p.name for p in run_dir.iterdir()} <= before | {"config.yaml"}:
+            if before == {".lock"}:
+                shutil.rmtree(run_dir)
+            else:
+                (run_dir / "config.yaml").unlink(missing_ok=True)
+    except OSError:   # already gone, or not ours to remove: leave it
+        pass
 
 
 def check_resume_job(ckpt: str | Path | None, job: str) -> None:

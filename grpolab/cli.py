@@ -18,6 +18,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from .errors import CheckpointError, ConfigError, DataError, ExportError, RewardError, TrainingError
+from .utils.files import says_disk_full, torch_write_failed
 
 DEMO_DIR = "runs/demo"
 
@@ -329,16 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     except SafetensorError as e:   # its writer reports a full disk only in its message (os error 28)
         if args.debug:
             raise
-        text = " ".join(str(e).split())
         _error("error: disk full while writing a .safetensors file (No space left on device)"
-               if "os error 28" in text or "No space left" in text else f"error: safetensors: {text}")
+               if says_disk_full(e) else f"error: safetensors: {' '.join(str(e).split())}")
         return 2
     except KeyboardInterrupt as e:
         # str(), not `e or ...`: an exception instance is always truthy, so an empty one printed a blank line
         _error(str(e).strip() or "interrupted", same_on_every_rank=True)
         return 130
     except RuntimeError as e:
-        if not args.debug and _torch_write_failed(e):   # torch.save's writer hides the OS error
+        if not args.debug and torch_write_failed(e):   # torch.save's writer hides the OS error
             _error(f"error: writing a file failed ({' '.join(str(e).split())[:200]}); is the disk full?")
             return 2
         if not args.debug and _no_deterministic_kernel(e):
@@ -403,13 +403,6 @@ def _config_and_overrides(args) -> tuple[str | None, list[str]]:
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path] + overrides
     return config_path, overrides
-
-
-def _torch_write_failed(e: RuntimeError) -> bool:
-    """torch.save's zip writer failing mid-file (a full disk, usually): 'PytorchStreamWriter failed writing
-    file ...' or 'unexpected pos ...'."""
-    text = str(e)
-    return "PytorchStreamWriter failed" in text or "unexpected pos" in text
 
 
 def _no_deterministic_kernel(e: RuntimeError) -> bool:

@@ -10,7 +10,8 @@ import sys
 import pytest
 from test_serve_hardening import _mounted
 
-from grpolab.cli import _torch_write_failed, os_error_line
+from grpolab.cli import os_error_line
+from grpolab.utils.files import torch_write_failed
 
 
 def _last(r):
@@ -25,7 +26,7 @@ def test_a_full_disk_is_one_line(tmp_path):
     mnt = tmp_path / "full"
     r, _ = _mounted("size=64k", mnt, "tiny-model", str(mnt / "m"))
     assert r.returncode == 2
-    assert _last(r) == "grpolab: error: disk full while writing a .safetensors file (No space left on device)"
+    assert _last(r) == f"grpolab: error: disk full while writing {mnt / 'm'} (No space left on device)"
 
 
 @pytest.mark.slow
@@ -48,8 +49,8 @@ def test_torch_saves_failure_on_a_full_disk_is_recognised(tmp_path):
                         str(mnt), sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if r.returncode != 0 or not r.stdout.strip():
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr[-200:]}")
-    assert _torch_write_failed(RuntimeError(r.stdout.strip())), r.stdout
-    assert not _torch_write_failed(RuntimeError("CUDA out of memory"))
+    assert torch_write_failed(RuntimeError(r.stdout.strip())), r.stdout
+    assert not torch_write_failed(RuntimeError("CUDA out of memory"))
 
 
 def test_os_error_lines_name_the_file_and_what_happened():

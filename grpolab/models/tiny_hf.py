@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..data.tasks import arithmetic
+from ..utils.files import writing_into
 
 # ChatML-style template: enough to exercise conversational prompts end to end. With `tools=` it lists
 # them in a system turn and renders `tool` messages Qwen2.5's way (a user turn of <tool_response>s), so
@@ -76,6 +77,7 @@ def save_tiny_model(out_dir: str | Path, texts: list[str] | None = None, vocab_s
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
+    with writing_into(out):
+        model.save_pretrained(str(out), safe_serialization=True)
+        tok.save_pretrained(str(out))
     return out

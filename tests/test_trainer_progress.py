@@ -38,7 +38,10 @@ def test_a_progress_line_names_the_phase_rows_tokens_and_rate():
     t0 = p._t_step
     p.start_phase("rollout", 128)
     p._t_phase = t0
-    p.add(rows=32, tokens=2400)
+    p.add(tokens=2400)
+    # no row done yet (a rollout's rows finish together, an update's single micro-batch at its end): the size
+    assert p.line(now=t0 + 12) == "  step 3/50: rollout for 12s, 128 rows, 2400 tokens, 200 tok/s"
+    p.add(rows=32)
     assert p.line(now=t0 + 5) is None               # a step shorter than the interval prints nothing extra
     assert p.line(now=t0 + 12) == "  step 3/50: rollout for 12s, 32/128 rows, 2400 tokens, 200 tok/s"
     p.end_step()

@@ -170,8 +170,8 @@ class StepProgress:
             return None
         spent = max(now - self._t_phase, 1e-9)
         parts = [f"  {self.label}: {self.phase} for {fmt_duration(spent)}"]
-        if self.total_rows:
-            parts.append(f"{self.rows}/{self.total_rows} rows")
+        if self.total_rows:   # none done yet: the phase's size (a rollout's rows all finish together)
+            parts.append(f"{self.rows}/{self.total_rows} rows" if self.rows else f"{self.total_rows} rows")
         if self.tokens:
             parts.append(f"{self.tokens} tokens, {self.tokens / spent:.0f} tok/s")
         return ", ".join(parts)

@@ -255,3 +255,17 @@ def _wandb_history(path):
                 items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
                 out[rec.history.step.num] = items
     return out
+
+
+def test_resuming_a_finished_run_keeps_its_final_eval_in_the_last_row(tmp_path):
+    """train.resume=auto on a run that already reached train.max_steps trains nothing; its last metrics row keeps
+    the final eval (report and trackers read it there) and eval.json says the same."""
+    out = tmp_path / "run"
+    args = ["train", *TINY, "train.max_steps=2", "train.threads=1", f"train.output_dir={out}"]
+    assert run_cli(*args).returncode == 0
+    rows, evals = _strip(out / "metrics.jsonl"), json.loads((out / "eval.json").read_text())
+    assert any(k.startswith("eval/") for k in rows[-1])
+    r = run_cli(*args, "train.resume=auto")
+    assert r.returncode == 0, r.stderr
+    assert _strip(out / "metrics.jsonl") == rows
+    assert json.loads((out / "eval.json").read_text()) == evals

@@ -303,4 +303,5 @@ class Trainer:
         self.restore_extra(tr, Path(ckpt))
         if self.writes:   # the writing process owns the files
             cut_logs(self.run_dir, self.step)
-            drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)
+            if self.step < self.max_steps:   # continued past it; a finished run's last row keeps its final eval
+                drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)

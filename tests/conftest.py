@@ -1,5 +1,6 @@
 import contextlib
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 
 torch.set_num_threads(2)
+# tests never read or write the user's warm-start cache (~/.cache): a reused entry would skip the warm start a
+# test measures; tests of the cache name their own directory
+os.environ.setdefault("GRPOLAB_WARM_START_CACHE", "0")
 
 # tests/with_vllm needs vLLM, which lives in its own venv (`make test-vllm`, part of `make test`)
 HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None   # (not a namespace folder)

@@ -19,6 +19,7 @@ from ..rollout.tool_decode import build_tool_use
 from .evaluate import evaluate
 from .offline import OfflineTrainer, total_steps
 from .schedule import lr_factor
+from .warm_start_cache import ENV, WarmStartCache
 
 
 def model_context(model) -> int | None:
@@ -141,8 +142,9 @@ def warm_start_hook(cfg, n_rows: int):
 
 
 def train_sft(model, tokenizer, rows: list[dict], cfg, log=None, batch_hook=None) -> list[float]:
-    """The demo's warm start: SFT on the task's rows (prompt + answer) in place, nothing written.
-    `cfg` is the whole Config (its sft section) ; returns the per-step losses."""
+    """The demo's warm start: SFT on the task's rows (prompt + answer) in place, nothing written but
+    the warm-start cache's entry (train/warm_start_cache.py: a later run with the same key loads the
+    same bits instead). `cfg` is the whole Config (its sft section); returns the per-step losses."""
 
     class _Log:   # the warm start's progress goes to `log` (console.info): a line at the loop's interval, with ETA
         def progress(self, job, step, total, elapsed, parts, start_step=0):
@@ -157,5 +159,19 @@ def train_sft(model, tokenizer, rows: list[dict], cfg, log=None, batch_hook=None
         def warn(self, msg):
             if log is not None:
                 log(f"warning: {msg}")
-    tr = SFTTrainer(cfg, model, tokenizer, task_sft_rows(rows), console=_Log(), batch_hook=batch_hook)
-    return [m["loss"] for m in tr.train()]
+    sft_rows = task_sft_rows(rows)
+    cache = WarmStartCache.open(cfg, model, sft_rows)
+    if cache is not None and cache.load(model):
+        if log is not None:
+            log(f"warm start: reused {cache.path} (same sft settings, model, seed, rows, code and torch build: "
+                f"the same weights a new warm start gives; {ENV}=0 recomputes it)")
+        return cache.losses
+    tr = SFTTrainer(cfg, model, tokenizer, sft_rows, console=_Log(), batch_hook=batch_hook)
+    losses = [m["loss"] for m in tr.train()]
+    if cache is not None:
+        problem = cache.save(model, losses)
+        if log is not None:
+            log(f"warm start: not cached: {problem}" if problem else
+                f"warm start: cached in {cache.path} (later runs with the same key reuse it; {ENV}=0 turns "
+                f"the cache off)")
+    return losses

@@ -1,6 +1,6 @@
 """LLM-as-judge rewards (`judge:<name>`), end to end against `grpolab serve` on 127.0.0.1 with the
 real `openai` client: parsed scores equal an independent request's, the concurrency limit holds (the
-server's decode steps count it), a hung server times out and a dead one gives None with counters, a
+server's decode steps count it), a hung or dead server stops the run in one line, a
 resumed GRPO run asks nothing twice, and the API key stays out of every file and log. The judge
 served is a random built-in GPT: its answers differ from prompt to prompt and hold a digit or not."""
 
@@ -210,17 +210,21 @@ def test_concurrency_limit_holds_at_the_server(served, key):
     assert peak[0] <= 2
 
 
-def test_a_hung_server_times_out_to_none_with_counters(served, key):
+def test_a_server_that_hangs_later_stops_the_run_at_its_timeout(served, key):
     url, proc = served
     _judge(url, timeout=0.5, max_retries=1, backoff=0.1, cache=False)
-    _score(COMPLETIONS)   # the judge has answered before: a later failure is not a set-up mistake
+    _score(COMPLETIONS)   # the judge has answered before
     proc.send_signal(signal.SIGSTOP)   # the process still accepts connections, and never answers
     try:
-        got, metrics = _score(["new one", "another one", "a third"])
+        with pytest.raises(RewardError) as e:
+            _score(["new one", "another one", "a third"])
     finally:
         proc.send_signal(signal.SIGCONT)
-    assert got == [None, None, None]
-    assert metrics == {"judge/t/requests": 6, "judge/t/cached": 0, "judge/t/failed": 3, "judge/t/unparsed": 0}
+    # a step with no answer at all would train on nothing: it stops, saying why
+    assert str(e.value) == (f"reward judge:t: the judge at {url}/v1 answered none of this step's 3 requests, each "
+                            f"tried 2 times (reward.judges.t.max_retries = 1): no answer within 0.5 s "
+                            f"(reward.judges.t.timeout); start or fix the judge server (train.resume=auto continues "
+                            f"from the last checkpoint)")
 
 
 def test_a_judge_that_never_parses_stops_the_run_in_one_line(served, key, tmp_path, capsys):
@@ -249,7 +253,7 @@ def _metrics(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_with_a_judge_resumes_from_its_cache_survives_a_dead_server_and_never_logs_the_key(
+def test_grpo_with_a_judge_resumes_from_its_cache_stops_at_a_dead_server_and_never_logs_the_key(
         judge_ckpt, tmp_path, key, capfd):
     import shutil
 
@@ -265,16 +269,18 @@ def test_grpo_with_a_judge_resumes_from_its_cache_survives_a_dead_server_and_nev
         proc.kill()   # the judge server dies; the run goes on from its checkpoint
         proc.wait()
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    run_train(load_config(None, [*base, "train.max_steps=3", f"train.output_dir={tmp_path / 'b'}",
-                                 f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}"]))
+    with pytest.raises(RewardError, match=r"^reward judge:t: the judge at .* answered none of this step's 8 "
+                                          r"requests, each tried 2 times .*: cannot connect \(connection refused\)"):
+        run_train(load_config(None, [*base, "train.max_steps=3", f"train.output_dir={tmp_path / 'b'}",
+                                     f"train.resume={tmp_path / 'b' / 'checkpoints' / 'step_1'}"]))
     again = _metrics(tmp_path / "b")
     # step 2 again: every answer from the cache, no request sent, the same metrics to the bit
     # (the first run's final eval and watch keys, logged with its last step, are not in the longer run's step 2)
     first_step2 = {k: v for k, v in first[1].items() if not k.startswith(("eval/", "watch/"))}
     assert again[1] == {**first_step2, "judge/t/requests": 0, "judge/t/cached": 8}
-    # step 3: the server is gone: every reward None and counted as failed, and the run finished
-    assert again[2]["judge/t/failed"] == 8 and again[2]["judge/t/requests"] == 16
-    assert (tmp_path / "b" / "checkpoints" / "step_3").is_dir()
+    # step 3: the server is gone: the run stops at that step, with one line, and step 2's checkpoint kept
+    assert len(again) == 2
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
     out = capfd.readouterr()
     assert SECRET not in out.out + out.err

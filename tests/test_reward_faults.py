@@ -2,6 +2,8 @@
 cannot hold, or need a column the data lacks. Each is a real function in a .py file, loaded by
 spec as users load them; each gives one RewardError line naming the function (and the sample)."""
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -459,3 +461,236 @@ def test_ctrl_c_stops_a_step_stuck_in_a_reward(tmp_path):
     assert last.startswith("grpolab: ") and len(last.split(":", 1)[1].strip()) > 10, err[-2000:]
     assert "Traceback" not in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+
+
+# ---- os._exit inside a reward (issue 48): one line, exit 2, not a silent exit 0 ---------------------------
+EXITS = '''
+import asyncio
+import os
+import threading
+
+
+def exits(completions, **_):
+    os._exit(0)
+
+
+def exits_on_b(completions, **_):
+    if any("b" in c for c in completions):
+        os._exit(3)
+    return [0.0] * len(completions)
+
+
+def swallows(completions, **_):
+    try:
+        os._exit(0)
+    except BaseException:
+        pass
+    return [0.0] * len(completions)
+
+
+def in_a_thread(completions, **_):
+    t = threading.Thread(target=os._exit, args=(0,), name="mine")
+    t.start()
+    t.join()
+    return [0.0] * len(completions)
+
+
+async def exits_async(completions, **_):
+    os._exit(0)
+
+
+async def swallows_async(completions, **_):
+    try:
+        os._exit(0)
+    except BaseException:
+        pass
+    return [0.0] * len(completions)
+
+
+def forks_a_child_that_exits(completions, **_):   # the child's os._exit is its own: exit code 5, for real
+    import multiprocessing
+    p = multiprocessing.get_context("fork").Process(target=os._exit, args=(5,))
+    p.start()
+    p.join()
+    return [float(p.exitcode)] * len(completions)
+'''
+
+_EXITED = ("which would end the run as if it had finished; return the values instead (raise an exception to stop "
+           "the run)")
+
+
+@pytest.fixture
+def exits(tmp_path):
+    f = tmp_path / "exits.py"
+    f.write_text(EXITS)
+    return str(f)
+
+
+@pytest.mark.parametrize("fn,code,where", [
+    ("exits", 0, " on sample 0 (completion 'a')"),
+    ("exits_on_b", 3, " on sample 1 (completion 'b')"),
+    ("exits_async", 0, " on sample 0 (completion 'a')"),
+    ("swallows", 0, " (in a thread of its own, or caught the SystemExit it raised)"),
+    ("swallows_async", 0, " (in a thread of its own, or caught the SystemExit it raised)"),
+    ("in_a_thread", 0, " (in a thread of its own, or caught the SystemExit it raised)"),
+])
+def test_os_exit_in_a_reward_is_a_reward_error(exits, fn, code, where, capfd, monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)   # Python's own, not pytest's
+    real = os._exit
+    for timeout in (0, 30):   # run plainly, and under the watchdog
+        with pytest.raises(RewardError) as e:
+            score(["length", f"{exits}:{fn}"], None, ["q"] * 3, ["a", "b", "c"], {}, timeout=timeout)
+        assert str(e.value) == f"reward function '{exits}:{fn}' called os._exit({code}){where}, {_EXITED}"
+        assert os._exit is real   # the guard is gone after the call
+    assert "Traceback" not in capfd.readouterr().err   # (a thread ended by it goes quietly)
+
+
+def test_a_child_the_reward_forks_still_exits_for_real(exits):
+    _, per = score([f"{exits}:forks_a_child_that_exits"], None, ["q"] * 2, ["a", "b"], {})
+    assert per[f"{exits}:forks_a_child_that_exits"].tolist() == [5.0, 5.0]
+
+
+@pytest.mark.slow
+def test_os_exit_in_a_reward_exits_2_through_the_cli(exits, tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("train", *QUICK, f"train.output_dir={out}", f"reward.functions=[{exits}:exits]")
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])   # it was 0, with nothing said
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith(f"grpolab: reward error: reward function '{exits}:exits' called "
+                                                   f"os._exit(0) on sample 0 "), r.stderr
+    assert lines[0].endswith(_EXITED)
+
+
+# ---- a second Ctrl-C (or SIGTERM) when the interrupt cannot arrive: exit 130 at once (issue 48) ----------
+STUCK = '''
+import os
+import time
+
+
+def _entered():
+    open(os.environ["HANG_FLAG"] + ".entered", "w").close()
+
+
+def swallows_interrupts(completions, **_):   # a bare except around a wait: every KeyboardInterrupt is caught
+    _entered()
+    while True:
+        try:
+            time.sleep(1000)
+        except:  # noqa: E722
+            pass
+
+
+def sleeps(completions, **_):
+    _entered()
+    time.sleep(1000)
+
+
+def shells_out(completions, **_):   # os.system waits in C, retrying on signals: no Python handler runs
+    _entered()
+    os.system("echo $$ > " + os.environ["HANG_FLAG"] + ".child; exec sleep 300 </dev/null >/dev/null 2>&1")
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,sig", [("swallows_interrupts", signal.SIGINT), ("sleeps", signal.SIGINT),
+                                    ("shells_out", signal.SIGTERM)])
+def test_a_second_signal_stops_a_reward_that_keeps_the_interrupt_from_arriving(tmp_path, fn, sig):
+    f = tmp_path / "stuck.py"
+    f.write_text(STUCK)
+    flag = tmp_path / "hang"
+    out = tmp_path / "run"
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", *QUICK, "train.max_steps=3",
+                                 "train.save_every=1", "reward.timeout=0", f"train.output_dir={out}",
+                                 f"reward.functions=[{f}:{fn}]"],
+                                stdout=subprocess.DEVNULL, stderr=err_file, cwd=ROOT,
+                                env={**os.environ, "HANG_FLAG": str(flag)})
+    try:
+        entered = tmp_path / "hang.entered"
+        deadline = time.monotonic() + 240
+        while not entered.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)   # (it hung for good before)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        child = tmp_path / "hang.child"
+        if child.exists():   # os.system's `sleep`, left behind by an exit without unwinding
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(child.read_text()), signal.SIGKILL)
+    err = err_path.read_text()
+    assert code == 130, err[-2000:]
+    last = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert last.startswith(f"grpolab: stopped at once by a second {sig.name}"), err[-2000:]
+    assert last.endswith("the step in progress is not saved (the last checkpoint is intact)")
+    assert "Traceback" not in err
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+# ---- code_exec on data without tests (issue 48): refused at start, not NaN at every step -------------------
+def test_code_exec_on_rows_without_tests_is_refused_at_start():
+    rows = [{"prompt": "Write f.", "answer": "42"}, {"prompt": "Write g.", "answer": None}]
+    with pytest.raises(RewardError) as e:
+        check_signatures(["code_exec"], ["prompt", "answer"], rows=rows, source="data/code.jsonl")
+    assert str(e.value) == (
+        "reward function 'code_exec' runs each row's tests, but no row of data/code.jsonl has any: give a 'test' "
+        "column (code defining check(candidate), with 'entry_point') or a 'test_cases' column "
+        "([{\"input\", \"output\"}, ...]; verl: reward_model.ground_truth); columns found: prompt, answer")
+    # one row with tests is enough (the others score None, as documented)
+    check_signatures(["code_exec"], ["prompt", "answer", "test_cases"],
+                     rows=rows + [{"prompt": "h", "test_cases": [{"input": "1", "output": "1"}]}])
+
+
+@pytest.mark.slow
+def test_code_exec_on_a_data_file_without_tests_exits_2_through_the_cli(tmp_path):
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Write f{i}.", "answer": str(i)}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    r = run_cli("train", *QUICK, f"train.output_dir={out}", f"data.train_path={data}", f"data.test_path={data}",
+                "reward.functions=[code_exec]")
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith(f"grpolab: reward error: reward function 'code_exec' runs each "
+                                                   f"row's tests, but no row of {data} has any"), r.stderr
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
+
+
+SIGNALS_IN_A_CHILD = '''
+import multiprocessing
+import os
+import signal
+import time
+
+
+def _signal_myself():
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def child_gets_signals(completions, trainer_state, **_):
+    if trainer_state.global_step == 0:
+        p = multiprocessing.get_context("fork").Process(target=_signal_myself)
+        p.start()
+        p.join()
+        time.sleep(3)   # longer than the trainer waits for a second signal's interrupt to arrive
+    return [float(len(c) % 3) for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_signals_to_a_child_the_reward_forks_are_not_the_trainers(tmp_path):
+    """A forked child (a multiprocessing worker that Pool.terminate() sends SIGTERM) is not the training
+    loop: its signals neither ask the run to stop nor count as a second Ctrl-C."""
+    f = tmp_path / "child.py"
+    f.write_text(SIGNALS_IN_A_CHILD)
+    r = run_cli("train", *QUICK, f"train.output_dir={tmp_path / 'run'}", f"reward.functions=[{f}:child_gets_signals]")
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "SIGTERM" not in r.stderr and (tmp_path / "run" / "eval.json").is_file()

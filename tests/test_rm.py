@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
 
 from grpolab.algorithms.losses import bradley_terry_loss
@@ -232,3 +233,26 @@ def test_a_dpo_checkpoint_scores_as_its_implicit_reward(tmp_path):
     want = [0.2 * (logp(policy, p["prompt"], p["chosen"]) - logp(ref, p["prompt"], p["chosen"])) for p in fresh]
     assert got == pytest.approx(want, abs=1e-4)
     assert max(abs(w) for w in want) > 1e-3   # the policy moved off its reference
+
+
+# a local path that is missing is said at once, with no hub call (offline, the hub's retries took 51 s)
+CLI_TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=96", "sft.steps=2",
+            "sft.bare_steps=0", "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
+            "train.max_steps=2", "eval.num_problems=4", "eval.k=2", "train.threads=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, what", [
+    ("runs/nothere", ""),           # runs/ is a directory here: a local path
+    ("my model/rm", ""),            # not a hub id (a space)
+    ("a/b/c", ""),                  # not a hub id (two slashes)
+    ("runs/a_file", " (it is a file)"),
+])
+def test_a_missing_local_reward_model_is_one_line_at_once(tmp_path, spec, what):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a_file").write_text("not a model")
+    r = run_cli("train", *CLI_TINY, "train.output_dir=out", f"reward.functions=[rm:{spec}]", cwd=tmp_path)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert lines == [f"grpolab: reward error: reward 'rm:{spec}': directory '{spec}' not found{what}; give a local "
+                     f"model directory (relative to {tmp_path}) or a hub id"], r.stderr

@@ -1,9 +1,10 @@
 """Score completions with several reward functions and combine them with weights.
 
 What a misbehaving function gets: one RewardError line naming it (and the first sample that fails
-alone) when it raises anything (SystemExit included), returns a value that is not a float32-finite
-number or None, or runs past reward.timeout (`configure`). Each function gets its own copies of its
-inputs, so one that edits them in place changes nothing for the others or the caller."""
+alone) when it raises anything (SystemExit included), calls os._exit (`exit_guard`), returns a value
+that is not a float32-finite number or None, or runs past reward.timeout (`configure`). Each function
+gets its own copies of its inputs, so one that edits them in place changes nothing for the others or
+the caller."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ import torch
 
 from ..config import RewardConfig
 from ..errors import RewardError
-from . import get_reward, reward_names
+from . import exit_guard, get_reward, reward_names
 from .calling import CALL_ARGS, RewardLog, TrainerState, as_completions, bind_keywords, verl_hint
 from .code import SETTINGS as CODE_EXEC
-from .code import code_exec
+from .code import code_exec, tests_of
 
 __all__ = ["RewardError", "RewardLog", "TrainerState", "check_signatures", "configure", "is_async", "number_mean",
            "score"]
@@ -136,7 +137,7 @@ def _in_main_thread(name: str, fn, kwargs: dict, timeout: float):
                 # the run cannot go on, and waiting helps no one
                 print(f"grpolab: reward error: {_late(name, timeout, timeout)} (interrupting it did not stop it; "
                       f"exiting)", file=sys.stderr, flush=True)
-                os._exit(2)
+                exit_guard.REAL_EXIT(2)   # (os._exit is guarded while rewards run)
 
     try:
         old = signal.signal(_ALARM, on_alarm)
@@ -290,6 +291,19 @@ def _failing_sample(name: str, fn, kwargs: dict, texts: list[str], timeout: floa
     return ""
 
 
+def _exits(name: str, was_async: bool, async_exits: list, mark: int) -> list[int]:
+    """The codes of the os._exit calls `name` made: for an async function, those in its task (or in threads,
+    which have no task), else those since `mark`."""
+    if was_async:
+        return [code for code, task in async_exits if task in (name, None)]
+    return [code for code, _ in exit_guard.calls_since(mark)]
+
+
+def _exited(name: str, code, where: str = "") -> RewardError:
+    return RewardError(f"reward function {name!r} called os._exit({code!r}){where}, which would end the run as if it "
+                       f"had finished; return the values instead (raise an exception to stop the run)")
+
+
 def _raised(e: BaseException) -> str:
     """'ValueError: why' for an exception; SystemExit says it came from sys.exit()."""
     if isinstance(e, SystemExit):
@@ -406,7 +420,8 @@ def check_signatures(names: list[str], column_names: list[str], rows: list[dict]
 
     With `rows` (the data, read from `source`): a function that needs a column (a parameter without a
     default, as gsm8k_accuracy's `answer`) that no row has a value for is refused too; it would
-    otherwise score every completion 0 without a word."""
+    otherwise score every completion 0 without a word. So is code_exec when no row has tests: it would
+    score every completion None (reward NaN)."""
     _check_columns(column_names)
     for name in names:
         fn = get_reward(name)
@@ -414,6 +429,12 @@ def check_signatures(names: list[str], column_names: list[str], rows: list[dict]
                       verl_hint(fn))
         if not rows:
             continue
+        if fn is code_exec and all(tests_of(row) is None for row in rows):
+            where = f" of {source}" if source else ""
+            raise RewardError(f"reward function {name!r} runs each row's tests, but no row{where} has any: give a "
+                              f"'test' column (code defining check(candidate), with 'entry_point') or a 'test_cases' "
+                              f"column ([{{\"input\", \"output\"}}, ...]; verl: "
+                              f"reward_model.ground_truth); columns found: {', '.join(map(str, column_names))}")
         for col in _needed_columns(fn, column_names):
             if all(row.get(col) is None for row in rows):
                 where = f" of {source}" if source else ""
@@ -473,42 +494,53 @@ def score(names: list[str], weights: list[float] | None, prompts: list, completi
         kwargs = {**base, "log_extra": log_extra, "log_metric": log_metric, **columns}
         calls.append(bind_keywords(fn, name, kwargs, verl_hint(fn)))   # (the caller's objects: copied per call)
 
-    async_idx = [k for k, fn in enumerate(fns) if is_async(fn)]
-    try:
-        async_out = dict(zip(async_idx, _run_async([(names[k], fns[k], _own_copy(calls[k])) for k in async_idx],
-                                                   timeout)))
-    except _Expired as e:
-        raise _late(e.args[0], timeout, timeout) from None
-    except KeyboardInterrupt as e:
-        if str(e):
-            raise
-        raise KeyboardInterrupt("interrupted while the async reward functions ran") from None
-
-    total = torch.zeros(n, dtype=torch.float32)
-    per_fn: dict[str, torch.Tensor] = {}
-    for k, (name, w, fn) in enumerate(zip(names, weights, fns)):
+    with exit_guard.guard():   # os._exit inside a function raises (and is recorded) instead of ending the process
+        async_idx = [k for k, fn in enumerate(fns) if is_async(fn)]
+        async_mark = exit_guard.mark()
         try:
-            limit = _limit(fn, n, timeout)
-            values = async_out[k] if k in async_out else _run_sync(name, fn, _own_copy(calls[k]), limit)
-            if isinstance(values, _Raised):
-                raise values.exc
-        except RewardError:
-            raise
-        except _Expired:
-            raise _late(name, limit, timeout) from None
-        except KeyboardInterrupt as e:   # Ctrl-C (a second one, in training) stops now, saying where
+            async_out = dict(zip(async_idx, _run_async([(names[k], fns[k], _own_copy(calls[k])) for k in async_idx],
+                                                       timeout)))
+        except _Expired as e:
+            raise _late(e.args[0], timeout, timeout) from None
+        except KeyboardInterrupt as e:
             if str(e):
                 raise
-            raise KeyboardInterrupt(f"interrupted in reward function {name!r}") from None
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - re-raised with the function's name and sample
-            where = _failing_sample(name, fn, calls[k], completions, timeout)
-            raise RewardError(f"reward function {name!r} raised {_raised(e)}{where}") from e
-        col, extras = _column(name, values, n)
-        per_fn[name] = col
-        for key, vals in extras.items():
-            log.columns[f"{short[name]}/{key}"] = vals
-            log.score_keys.append(f"{short[name]}/{key}")
-        total += w * torch.nan_to_num(col, nan=0.0)
+            raise KeyboardInterrupt("interrupted while the async reward functions ran") from None
+        # os._exit calls in the event loop, by task (named after its function), or from threads they started
+        async_exits = exit_guard.calls_since(async_mark)
+
+        total = torch.zeros(n, dtype=torch.float32)
+        per_fn: dict[str, torch.Tensor] = {}
+        for k, (name, w, fn) in enumerate(zip(names, weights, fns)):
+            mark = exit_guard.mark()
+            try:
+                limit = _limit(fn, n, timeout)
+                values = async_out[k] if k in async_out else _run_sync(name, fn, _own_copy(calls[k]), limit)
+                if isinstance(values, _Raised):
+                    raise values.exc
+            except RewardError:
+                raise
+            except _Expired:
+                raise _late(name, limit, timeout) from None
+            except KeyboardInterrupt as e:   # Ctrl-C (a second one, in training) stops now, saying where
+                if str(e):
+                    raise
+                raise KeyboardInterrupt(f"interrupted in reward function {name!r}") from None
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - re-raised with the function's name and sample
+                exits = _exits(name, k in async_out, async_exits, mark)
+                where = _failing_sample(name, fn, calls[k], completions, timeout)
+                if exits:
+                    raise _exited(name, exits[0], where) from None
+                raise RewardError(f"reward function {name!r} raised {_raised(e)}{where}") from e
+            exits = _exits(name, k in async_out, async_exits, mark)
+            if exits:   # it caught what os._exit raised: the run stops all the same
+                raise _exited(name, exits[0], " (in a thread of its own, or caught the SystemExit it raised)")
+            col, extras = _column(name, values, n)
+            per_fn[name] = col
+            for key, vals in extras.items():
+                log.columns[f"{short[name]}/{key}"] = vals
+                log.score_keys.append(f"{short[name]}/{key}")
+            total += w * torch.nan_to_num(col, nan=0.0)
     bad = (~torch.isfinite(total)).nonzero()
     if len(bad):   # each value fits float32, but the weighted sum does not
         i = int(bad[0])

@@ -9,8 +9,12 @@ on connection errors, timeouts, 429 and 5xx with exponential backoff -> the answ
 in score_range mapped to [0, 1], or a verdict word mapped from 1 for the first to 0 for the last).
 A request that still fails, or an answer that does not parse, gives None ("not applicable": it
 adds nothing to the reward) and counts in the step's metrics (judge/<name>/failed, .../unparsed).
-A judge none of whose answers has ever parsed stops the run with one line, as does a request the
-server refuses outright (401, 404, ...) before any has succeeded: both are set-up mistakes.
+These stop the run with one line instead: a step in which every request sent failed (the judge is
+down, unreachable, hangs past `timeout` or answers 5xx: the line says which, with the URL), a
+judge none of whose answers has ever parsed, a request the server refuses outright (401, 404, ...)
+before any has succeeded, and an answer that is not a chat completion (not JSON, or JSON without
+choices[0].message.content: a wrong base_url, or not an OpenAI-compatible server). Training on
+rewards the judge never gave would go on with nothing to learn from.
 
 The API key comes from the environment variable named by api_key_env and goes only into the
 request's header: never into config.yaml, the logs, the cache or samples.
@@ -176,7 +180,8 @@ class Judge:
         return self._client
 
     async def ask(self, body: dict, counts: dict) -> str | None:
-        """The judge's answer to one request, or None after max_retries retries."""
+        """The judge's answer to one request, or None after max_retries retries (counts["why"]: what
+        happened to the last try, in words)."""
         import openai
         client = self.client()
         async with self._sem:
@@ -185,21 +190,47 @@ class Judge:
                     await asyncio.sleep(self.jc.backoff * 2 ** (attempt - 1))
                 counts["requests"] += 1
                 try:
-                    r = await client.chat.completions.create(**body)
+                    raw = await client.chat.completions.with_raw_response.create(**body)
+                    answer = self._content(raw.http_response.content)
                     self.succeeded += 1
-                    return (r.choices[0].message.content or "") if r.choices else ""
-                except (openai.APIConnectionError, openai.APITimeoutError):
+                    return answer
+                except openai.APITimeoutError:   # (an APIConnectionError too: first)
+                    counts["why"] = f"no answer within {self.jc.timeout:g} s (reward.judges.{self.name}.timeout)"
+                    continue
+                except openai.APIConnectionError as e:
+                    counts["why"] = f"cannot connect ({_cause(e)})"
                     continue
                 except openai.APIStatusError as e:
                     if e.status_code in (408, 409, 429) or e.status_code >= 500:   # busy or failing: try again
+                        counts["why"] = f"HTTP {e.status_code} {_first_bytes(e.response.content)}"
                         continue
                     # another 4xx: the request itself is wrong, and retrying cannot help
                     if self.succeeded == 0:
                         raise RewardError(f"reward {PREFIX}{self.name}: the judge server at {self.jc.base_url} refused "
                                           f"the request ({e.status_code}: {_one_line(e.message)}); check "
                                           f"reward.judges.{self.name}.model/base_url/api_key_env") from None
+                    counts["why"] = f"HTTP {e.status_code} {_first_bytes(e.response.content)}"
                     return None
         return None
+
+    def _content(self, data: bytes) -> str:
+        """choices[0].message.content of a chat-completion body ('' for none); RewardError when the body is
+        not one (the client would fail on it with a JSONDecodeError or an AttributeError)."""
+        try:
+            r = json.loads(data)
+        except ValueError:
+            r = None
+        choices = r.get("choices") if isinstance(r, dict) else None
+        if isinstance(choices, list) and not choices:
+            return ""
+        message = choices[0].get("message") if isinstance(choices, list) and isinstance(choices[0], dict) else None
+        content = message.get("content", "") if isinstance(message, dict) else 0
+        if content is None or isinstance(content, str):
+            return content or ""
+        raise RewardError(f"reward {PREFIX}{self.name}: the judge's answer is malformed ("
+                          f"{'not JSON' if r is None else 'JSON without choices[0].message.content'}): "
+                          f"{_first_bytes(data)}; check that reward.judges.{self.name}.base_url ({self.jc.base_url}) "
+                          f"is an OpenAI-compatible API")
 
     # ---------------------------------------------------------------- the reward
     async def __call__(self, prompts, completions, answer=None, rubric=None, log_metric=None, **_) -> list:
@@ -218,6 +249,14 @@ class Judge:
             if a is None:
                 todo.setdefault(keys[i], []).append(i)
         got = await asyncio.gather(*(self.ask(bodies[idx[0]], counts) for idx in todo.values()))
+        if got and all(a is None for a in got):
+            # not one request answered: the judge is down, and every reward would be None
+            jc = self.jc
+            raise RewardError(f"reward {PREFIX}{self.name}: the judge at {jc.base_url} answered none of this step's "
+                              f"{len(got)} requests, each tried {jc.max_retries + 1} times "
+                              f"(reward.judges.{self.name}.max_retries = {jc.max_retries}): "
+                              f"{counts.get('why', 'no answer')}; start or "
+                              f"fix the judge server (train.resume=auto continues from the last checkpoint)")
         for (key, idx), a in zip(todo.items(), got):
             if a is not None:
                 self.cache.put(key, a)
@@ -241,6 +280,24 @@ class Judge:
                          ("unparsed", unparsed)):
                 log_metric(f"judge/{self.name}/{k}", v)
         return scores
+
+
+def _cause(e: BaseException) -> str:
+    """What a connection error comes down to: the OS's words for the deepest error with an errno
+    ('connection refused'), else the deepest message."""
+    why, x = str(e), e
+    while x is not None:
+        if isinstance(x, OSError) and x.errno:
+            return os.strerror(x.errno).lower()
+        why = str(x) or why
+        x = x.__cause__ or x.__context__
+    return why
+
+
+def _first_bytes(data: bytes, n: int = 80) -> str:
+    """The body's first n bytes, quoted on one line (and how long it was, when cut)."""
+    text = repr(re.sub(r"\s+", " ", data[:n].decode("utf-8", "replace")))
+    return f"{text} (first {n} of {len(data)} bytes)" if len(data) > n else text
 
 
 def _plain(x) -> str:

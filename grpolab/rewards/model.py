@@ -11,6 +11,7 @@ are concatenated.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +38,19 @@ def _source_key(source: str) -> str:
     return str(p.resolve()) if p.is_dir() else source
 
 
+# a Hugging Face hub repo id: 'name' or 'namespace/name', letters, digits, '-', '_', '.' (no '--' or '..',
+# not starting or ending with '-' or '.'), at most 96 characters
+_HUB_PART = r"(?![-.])(?!.*(?:--|\.\.))[\w.-]{1,96}(?<![-.])"
+_HUB_ID = re.compile(rf"(?:{_HUB_PART}/)?{_HUB_PART}", re.ASCII)
+
+
+def _meant_local(source: str) -> bool:
+    """True when `source` can only be a local path: it starts with ./ ../ / ~, its first component is a
+    directory here (runs/...), or it is not a valid hub repo id."""
+    return (source.startswith((".", "/", "~")) or Path(re.split(r"[/\\]", source)[0]).is_dir()
+            or not _HUB_ID.fullmatch(source))
+
+
 @functools.lru_cache(maxsize=None)
 def load_reward_model(source: str, device: str | None = None):
     """A reward model (models/reward_head.py) in eval mode on `device`, loaded once per (source, device):
@@ -47,8 +61,9 @@ def load_reward_model(source: str, device: str | None = None):
     if not source.strip():
         raise RewardError("reward 'rm:' names no model; give rm:<checkpoint dir or hub id> (in a pipeline, 'rm:' alone "
                           "is the last rm stage's reward model)")
-    if source.startswith((".", "/", "~")) and not Path(source).expanduser().is_dir():
-        raise RewardError(f"reward {spec!r}: directory {source!r} not found; give a local model directory "
+    if _meant_local(source) and not Path(source).expanduser().is_dir():   # said at once: no hub retries
+        what = " (it is a file)" if Path(source).expanduser().exists() else ""
+        raise RewardError(f"reward {spec!r}: directory {source!r} not found{what}; give a local model directory "
                           f"(relative to {Path.cwd()}) or a hub id")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kind = checkpoint_kind(source)

@@ -146,6 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-waiting", type=_positive, default=None,
                    help="most rows waiting for a place in the batch; a request beyond is a 429, which "
                         "clients retry (default 4096)")
+    v.add_argument("--max-request-bytes", type=_positive, default=None,
+                   help="largest request body; a larger one is a 413 before it is read (default 8388608, 8 MiB)")
 
     g = sub.add_parser("generate", help="offline batch generation for a jsonl of prompts (resumable)")
     g.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             job.run(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
                       max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
                       api_key=args.api_key, max_rows_per_request=args.max_rows_per_request,
-                      max_waiting=args.max_waiting)
+                      max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes)
         elif args.command == "generate":
             if args.n < 1 or args.max_batch < 1:
                 parser.error("--n and --max-batch must be >= 1")

@@ -9,7 +9,9 @@ with status 400 for a bad request (so OpenAI clients raise BadRequestError), 401
 wrong API key (with `--api-key`), 429 when the waiting queue is full (clients retry) and 500 for a
 failed step.
 
-Ceilings: one request may ask for at most `max_rows_per_request` rows (prompts × n; a 400 beyond),
+Ceilings: a body of at most `max_request_bytes` (a 413 beyond, before it is read: body_limit.py), a text
+no longer than the context can hold (a 400 before tokenizing), at most `max_rows_per_request` rows
+(prompts × n; a 400 beyond),
 and at most `max_waiting` rows may wait for a place in the batch (a 429 beyond), so one huge
 request or a flood cannot hold the server for minutes or grow its memory without bound.
 """
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from .body_limit import LimitBody
 from .metrics import CONTENT_TYPE, CountRequests
 from .requests import APIError, ChatRequest, CompletionRequest, Server, echo_request, error_body
 from .responses import respond
@@ -41,6 +44,7 @@ def create_app(server: Server) -> FastAPI:
         server.stop()   # after uvicorn has let in-flight requests finish
 
     app = FastAPI(title="grpolab", lifespan=lifespan)
+    app.add_middleware(LimitBody, limit=server.max_request_bytes)   # inside RequireKey: the key is checked first
     if server.api_key:
         app.add_middleware(RequireKey, key=server.api_key)
 

@@ -21,7 +21,7 @@ from ..rollout.structured import BadConstraint, Constraint
 from .batcher import MAX_LOGPROBS, BadSampling, Batcher, Job, SamplingParams
 from .echo import Echo
 from .metrics import Metrics
-from .tokenize import raw_ids
+from .tokenize import longest_token_chars, raw_ids
 from .tool_calls import (
     ToolPlan,
     ToolRequestError,
@@ -36,6 +36,12 @@ from .tool_calls import (
 # defaults of `grpolab serve --max-rows-per-request` and `--max-waiting` (rows = prompts × n)
 MAX_ROWS_PER_REQUEST = 1024
 MAX_WAITING = 4096
+# default of `--max-request-bytes`: a 128k-token context as JSON-escaped text (about 3 MB) or token ids
+# (about 1 MB), twice over; lm-eval's batched requests are a few hundred KB
+MAX_REQUEST_BYTES = 8 * 2**20
+# a text longer than SLACK x context x the longest token's characters cannot fit: refused before tokenizing
+# (the slack covers normalizers that fold several characters into one)
+SLACK = 4
 
 
 
@@ -154,9 +160,11 @@ class Server:
 
     def __init__(self, batcher: Batcher, tok, name: str, context: int, *,
                  max_rows_per_request: int = MAX_ROWS_PER_REQUEST, max_waiting: int = MAX_WAITING,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.batcher, self.tok, self.name, self.context = batcher, tok, name, context
         self.max_rows_per_request, self.max_waiting = max_rows_per_request, max_waiting
+        self.max_request_bytes = max_request_bytes
+        self.max_chars = SLACK * context * longest_token_chars(tok)   # see check_length
         self.api_key = api_key or None
         self.thread: threading.Thread | None = None
         self.metrics = Metrics(batcher)   # its own registry: two servers in one process count apart
@@ -185,6 +193,14 @@ class Server:
                            f"{self.max_rows_per_request} rows (prompts × n) per request (--max-rows-per-request); "
                            f"split it into smaller requests", "prompt" if prompts > 1 else "n",
                            code="request_too_large")
+
+    def check_length(self, chars: int, param: str) -> None:
+        """A 400 for a text that cannot fit the context whatever it tokenizes to, before tokenizing it (a long
+        tokenization would hold the event loop, and every other request, meanwhile)."""
+        if chars > self.max_chars:
+            raise APIError(f"the {param} is {chars} characters, more than the model's context of {self.context} "
+                           f"tokens can hold (at most {self.max_chars} characters); shorten it", param,
+                           code="context_length_exceeded")
 
     def _params(self, r: SamplingRequest, prompt_len: int, max_tokens: int | None,
                 logprobs: int | None) -> SamplingParams:
@@ -228,6 +244,9 @@ class Server:
 
     def completion_prompts(self, r: CompletionRequest) -> list[list[int]]:
         p = r.prompt
+        for x in ([p] if isinstance(p, str) else p if isinstance(p, list) else []):
+            if isinstance(x, str):
+                self.check_length(len(x), "prompt")
         if isinstance(p, str):
             prompts = [raw_ids(self.tok, p)]
         elif p and all(isinstance(x, str) for x in p):
@@ -263,7 +282,7 @@ class Server:
         """The conversation rendered as training renders it (tools, calls and results included), then the
         text a forced tool_choice makes the reply start with."""
         plan = plan or self.tool_plan(r)
-        messages = []
+        messages, chars = [], 0
         for i, m in enumerate(r.messages):
             role, content = m.get("role"), m.get("content")
             problem = role_problem(role)   # the same rule as training data's
@@ -278,6 +297,8 @@ class Server:
             if not isinstance(content, str):
                 raise APIError(f"messages[{i}].content must be a string or a list of text parts",
                                f"messages[{i}].content")
+            chars += len(content)
+            self.check_length(chars, "messages")
             messages.append({"role": canonical_role(role), "content": content, "tool_call_id": m.get("tool_call_id"),
                              "tool_calls": m.get("tool_calls")})
         try:

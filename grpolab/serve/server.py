@@ -14,7 +14,7 @@ import sys
 from ..errors import ConfigError
 from .api import create_app
 from .engine import load_engine
-from .requests import MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
+from .requests import MAX_REQUEST_BYTES, MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
 
 MAX_PORT = 65535
 
@@ -52,7 +52,8 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 64,
           name: str | None = None, max_model_len: int | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", api_key: str | None = None,
-          max_rows_per_request: int | None = None, max_waiting: int | None = None) -> None:
+          max_rows_per_request: int | None = None, max_waiting: int | None = None,
+          max_request_bytes: int | None = None) -> None:
     try:
         import uvicorn
 
@@ -60,10 +61,11 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
         raise ImportError("grpolab serve needs FastAPI and uvicorn: pip install 'grpolab[serve]'") from None
     max_rows_per_request = MAX_ROWS_PER_REQUEST if max_rows_per_request is None else max_rows_per_request
     max_waiting = MAX_WAITING if max_waiting is None else max_waiting
+    max_request_bytes = MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
     if not 0 <= port <= MAX_PORT:
         raise ConfigError(f"--port must be between 0 and {MAX_PORT}, got {port}")
-    if max_rows_per_request < 1 or max_waiting < 1:
-        raise ConfigError("--max-rows-per-request and --max-waiting must be >= 1")
+    if max_rows_per_request < 1 or max_waiting < 1 or max_request_bytes < 1:
+        raise ConfigError("--max-rows-per-request, --max-waiting and --max-request-bytes must be >= 1")
     if max_rows_per_request > max_waiting:   # such a request could never be queued: a 429 forever
         raise ConfigError(f"--max-rows-per-request ({max_rows_per_request}) must not exceed --max-waiting "
                           f"({max_waiting})")
@@ -75,10 +77,11 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
         batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                                             dtype=dtype, device=device)
         server = Server(batcher, tok, name or model_path, context, max_rows_per_request=max_rows_per_request,
-                        max_waiting=max_waiting, api_key=api_key)
+                        max_waiting=max_waiting, api_key=api_key, max_request_bytes=max_request_bytes)
         shown = f"[{host.strip('[]')}]" if ":" in host else host
         print(f"grpolab: serving {server.name!r} (context {context} tokens, max batch {max_batch}, at most "
-              f"{max_rows_per_request} rows per request and {max_waiting} waiting"
+              f"{max_rows_per_request} rows per request and {max_waiting} waiting, bodies up to "
+              f"{max_request_bytes} bytes"
               f"{', API key required' if api_key else ''}) at http://{shown}:{sock.getsockname()[1]}/v1", flush=True)
         config = uvicorn.Config(create_app(server), host=host, port=sock.getsockname()[1], log_level=log_level)
         runner = uvicorn.Server(config)

@@ -36,6 +36,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def longest_token_chars(tok) -> int:
+    """An upper bound on the characters one token stands for: its longest vocabulary entry (a byte-level
+    BPE entry's length is its byte count, at least its character count) or special-token text."""
+    if hasattr(tok, "tok"):
+        return max(len(s) for s in tok.tok.get_vocab())
+    return max([1, *(len(s) for s in tok.special)])
+
+
 def raw_ids(tok, text: str) -> list[int]:
     """A completions prompt as it is: an HF tokenizer's ids (its BOS included, special-token text
     parsed); for the built-in tokenizer, characters with special-token text (e.g. <|bos|>) parsed."""

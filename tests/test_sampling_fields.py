@@ -310,3 +310,29 @@ def test_unpack_bitmask_reads_bit_v_mod_32_of_word_v_div_32():
         bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
         want = [[(int(bits[b, v // 32]) >> (v % 32)) & 1 == 1 for v in range(vocab)] for b in range(3)]
         assert lp.unpack_bitmask(bits, vocab).tolist() == want
+
+
+def test_a_schema_no_value_satisfies_and_a_bad_tool_schema_are_400s(client):
+    """A $ref that refers only to itself admits no JSON value: it answered 200 with empty content (issue 48).
+    A recursive schema that values do satisfy still works; a tool's `parameters` schema is checked as
+    response_format's is."""
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+    for schema in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**base, response_format={"type": "json_schema", "json_schema": {
+                "name": "t", "schema": schema}})
+        assert e.value.body["param"] == "response_format" and "admits no JSON value" in e.value.body["message"]
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "maxItems": 1,
+                                                                               "items": {"$ref": "#"}}},
+            "required": ["v"], "additionalProperties": False}
+    r = client.chat.completions.create(**{**base, "max_tokens": 200}, n=4, temperature=1.0, seed=3,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "t",
+                                                                                               "schema": tree}})
+    done = [c.message.content for c in r.choices if c.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(x)["v"], int) for x in done)
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {
+        "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**base, tools=[tool])
+    assert e.value.body["param"] == "tools[0].function.parameters", e.value.body
+    assert "'calc'" in e.value.body["message"] and "not a usable JSON schema" in e.value.body["message"]

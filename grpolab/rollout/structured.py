@@ -116,8 +116,19 @@ class Grammars:
                 error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
                 if error and not error.startswith("WARNING"):
                     raise BadConstraint(error)
+                if c.kind == "json" and not self._can_start(grammar):
+                    raise BadConstraint("the schema admits no JSON value (no first token is allowed: e.g. a $ref "
+                                        "that refers only to itself); give a schema some value satisfies")
                 self._cache[c] = grammar
             return self._cache[c]
+
+    def _can_start(self, grammar: str) -> bool:
+        """Whether a completion under `grammar` can begin with a token other than the stop tokens."""
+        import llguidance
+
+        allowed = self.masks([llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)], self.tok.vocab_size)
+        allowed[:, list(self.tok.stop_ids)] = False
+        return bool(allowed.any())
 
     def matcher(self, c: Constraint):
         """A fresh matcher (one per completion) at the start of `c`."""

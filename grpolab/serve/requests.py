@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..data.messages import canonical_role, role_problem
-from ..rollout.structured import BadConstraint, Constraint
+from ..rollout.structured import BadConstraint, Constraint, Grammars
 from .batcher import MAX_LOGPROBS, BadSampling, Batcher, Job, SamplingParams
 from .echo import Echo
 from .metrics import Metrics
@@ -164,6 +164,8 @@ class Server:
         self.batcher, self.tok, self.name, self.context = batcher, tok, name, context
         self.max_rows_per_request, self.max_waiting = max_rows_per_request, max_waiting
         self.max_request_bytes = max_request_bytes
+        # the batcher's compiled constraints (a Server without one, for rendering prompts: its own)
+        self.grammars = batcher.grammars if batcher is not None else Grammars(tok)
         self.max_chars = SLACK * context * longest_token_chars(tok)   # see check_length
         self.api_key = api_key or None
         self.thread: threading.Thread | None = None
@@ -230,7 +232,7 @@ class Server:
         constraint, param = request_constraint(r)
         if constraint is not None:
             try:
-                self.batcher.grammars.compile(constraint)
+                self.grammars.compile(constraint)
             except BadConstraint as e:
                 raise APIError(f"{param}: {e}", param) from None
         try:
@@ -274,9 +276,19 @@ class Server:
     def tool_plan(self, r: ChatRequest) -> ToolPlan:
         """How the request uses tools (tool_calls.plan_tools); a 400 naming the field when it cannot."""
         try:
-            return plan_tools(self.tok, r.tools, r.tool_choice, self.tool_problem if r.tools else None)
+            plan = plan_tools(self.tok, r.tools, r.tool_choice, self.tool_problem if r.tools else None)
         except ToolRequestError as e:
             raise APIError(str(e), e.param) from None
+        for i, t in enumerate(r.tools or []):   # a schema response_format would refuse is refused here too
+            params = t["function"].get("parameters")
+            if params:
+                try:
+                    self.grammars.compile(Constraint("json", json.dumps(params)))
+                except BadConstraint as e:
+                    name = f"tools[{i}].function.parameters"
+                    raise APIError(f"{name} (tool {t['function']['name']!r}) is not a usable JSON schema: {e}",
+                                   name) from None
+        return plan
 
     def chat_prompt(self, r: ChatRequest, plan: ToolPlan | None = None) -> list[int]:
         """The conversation rendered as training renders it (tools, calls and results included), then the

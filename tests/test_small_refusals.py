@@ -119,3 +119,23 @@ def test_a_run_refused_while_it_is_set_up_leaves_no_run_directory(tmp_path):
     r = run_cli("train", *args, f"train.output_dir={kept}", timeout=300)
     assert r.returncode == 2, r.stderr
     assert sorted(p.name for p in kept.iterdir()) == [".lock", "notes.txt"]
+
+
+def test_prompts_too_long_for_the_context_are_named_before_the_warm_start(tmp_path):
+    """It said 'every row is longer than sft.max_length' (the warm start's key) for prompts that the model's
+    context cannot take: the line names the prompts' length, the context and rollout.max_new_tokens."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "What is " + "1+" * 150 + "1?", "answer": "151"}) + "\n"
+                            for _ in range(8)))
+    r = run_cli("train", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=96",
+                "sft.steps=2", "sft.bare_steps=0", "rollout.max_new_tokens=8", "train.threads=1", "data.task=files",
+                f"data.train_path={data}", f"data.test_path={data}", f"train.output_dir={tmp_path / 'run'}",
+                timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    shortest = len("What is " + "1+" * 150 + "1?")   # characters: the built-in tokenizer's tokens, plus its template
+    assert len(lines) == 1 and lines[0].startswith(
+        "grpolab: data error: train: every prompt is longer than 88 tokens (what the model's context of 96 tokens "
+        "leaves beside rollout.max_new_tokens=8); the shortest is "), lines
+    assert int(lines[0].split("the shortest is ")[1].split()[0]) > shortest
+    assert "sft.max_length" not in r.stderr and "warm start" not in r.stdout

@@ -19,7 +19,7 @@ from ..monitor.console import Console
 from ..rewards import code, combine, judge
 from ..rollout.tool_decode import build_tool_use
 from ..rollout.tools import load_tools
-from ..train.sft import train_sft, warm_start_hook
+from ..train.sft import model_context, train_sft, warm_start_hook
 from .common import model_device
 
 
@@ -92,14 +92,20 @@ def _read_split(d, path: str, split: str) -> list[dict]:
 def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, split: str) -> list[dict]:
     """Drop (or reject) prompts longer than data.max_prompt_length, or than leaves room in the
     model's context for rollout.max_new_tokens (with tools: rollout.max_completion_tokens)."""
+    return fit_prompts_to(cfg, model_context(model), tok, rows, console, split)
+
+
+def fit_prompts_to(cfg: Config, context: int | None, tok, rows: list[dict], console: Console,
+                   split: str) -> list[dict]:
+    """fit_prompts for a model of `context` tokens (known before the model is: the built-in GPT's
+    model.block_size, so prompts that cannot fit are refused before its warm start)."""
     r = cfg.rollout
     if r.tools:   # a chat template renders the tools into the prompt: measure prompts as they will be
         build_tool_use(r, tok, cfg.model.name_or_path).close()
-    limit = cfg.data.max_prompt_length
-    context = getattr(model.config, "block_size", None) or getattr(model.config, "max_position_embeddings", None)
+    limit = given = cfg.data.max_prompt_length
+    key, budget = (("max_completion_tokens", r.max_completion_tokens) if r.tools and r.max_completion_tokens
+                   else ("max_new_tokens", r.max_new_tokens))
     if context:
-        key, budget = (("max_completion_tokens", r.max_completion_tokens) if r.tools and r.max_completion_tokens
-                       else ("max_new_tokens", r.max_new_tokens))
         room = context - budget
         if room < 1:
             raise DataError(f"rollout.{key}={budget} leaves no room for a prompt in "
@@ -107,12 +113,20 @@ def fit_prompts(cfg: Config, model, tok, rows: list[dict], console: Console, spl
         limit = min(limit, room) if limit else room
     if not limit:
         return rows
-    kept, dropped = filter_long_prompts(rows, lambda p: len(tok.render_prompt(p)), limit, cfg.data.on_long_prompt)
-    if dropped:
-        console.info(f"{split}: dropped {dropped} of {len(rows)} prompts longer than {limit} tokens "
-                     f"(data.max_prompt_length)")
+    def length(prompt) -> int:
+        return len(tok.render_prompt(prompt))
+
+    kept, dropped = filter_long_prompts(rows, length, limit, cfg.data.on_long_prompt)
+    why = f"data.max_prompt_length={given}" if limit == given else \
+        f"what the model's context of {context} tokens leaves beside rollout.{key}={budget}"
+    if dropped and kept:
+        console.info(f"{split}: dropped {dropped} of {len(rows)} prompts longer than {limit} tokens ({why})")
     if not kept:
-        raise DataError(f"{split}: every prompt is longer than {limit} tokens; raise data.max_prompt_length")
+        shortest = min(length(x["prompt"]) for x in rows)
+        fix = "raise data.max_prompt_length" if limit == given else \
+            f"shorten the prompts, lower rollout.{key}, or use a model with a longer context"
+        raise DataError(f"{split}: every prompt is longer than {limit} tokens ({why}); the shortest is {shortest} "
+                        f"tokens: {fix}")
     return kept
 
 

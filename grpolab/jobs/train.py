@@ -17,7 +17,7 @@ from ..monitor.console import Console
 from ..train.grpo import GRPOTrainer
 from ..train.memory_budget import builtin_shape, check_run_memory
 from .common import check_resume_job, make_console, model_device, setup_torch, write_run_config, write_run_report
-from .inputs import configure_rewards, fit_prompts, load_data, load_policy
+from .inputs import configure_rewards, fit_prompts, fit_prompts_to, load_data, load_policy
 
 
 def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
@@ -33,17 +33,20 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     check_resume_job(ckpt, GRPOTrainer.job)
     configure_rewards(cfg, console)
     train_rows, test_rows = load_data(cfg)
+    fitted = None
+    if ckpt is None and cfg.model.name_or_path == "builtin" and not cfg.model.init_from:
+        # before the warm start, not after it: prompts that cannot fit, a run larger than the machine
+        fitted = (fit_prompts_to(cfg, cfg.model.block_size, CharTokenizer(), train_rows, console, "train"),
+                  fit_prompts_to(cfg, cfg.model.block_size, CharTokenizer(), test_rows, console, "test"))
+        check_run_memory(cfg, builtin_shape(cfg.model, CharTokenizer().vocab_size), CharTokenizer(), *fitted,
+                         resolve_device(model_device(cfg)), distributed.world_from_env(), cfg.model.block_size)
     if ckpt is not None:   # the checkpoint holds the policy: no warm start again
         console.info(f"resuming from {ckpt}")
         model, tok = load_model(ckpt, dtype=cfg.model.dtype, device=model_device(cfg))
     else:
-        if cfg.model.name_or_path == "builtin" and not cfg.model.init_from:   # before the warm start, not after it
-            check_run_memory(cfg, builtin_shape(cfg.model, CharTokenizer().vocab_size), CharTokenizer(), train_rows,
-                             test_rows, resolve_device(model_device(cfg)), distributed.world_from_env(),
-                             cfg.model.block_size)
-        model, tok = load_policy(cfg, train_rows, console)
-    train_rows = fit_prompts(cfg, model, tok, train_rows, console, "train")
-    test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
+        model, tok = load_policy(cfg, train_rows, console)   # the warm start reads every row, as it always has
+    train_rows, test_rows = fitted or (fit_prompts(cfg, model, tok, train_rows, console, "train"),
+                                       fit_prompts(cfg, model, tok, test_rows, console, "test"))
     trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
     if ckpt is not None:
         trainer.restore(ckpt, weights=False)   # the policy was loaded from ckpt above

@@ -201,6 +201,19 @@ def test_dataset_info_renames_columns_and_tags(tmp_path):
     assert sft_rows(read_records(str(tmp_path / "pt.jsonl"))) == [{"text": "a document"}]   # pre-training form
 
 
+def test_a_dataset_info_mapping_that_matches_no_column_is_one_line(tmp_path, capsys):
+    """The entry's columns name columns the rows lack (a typo, the wrong file): said, not silently unmapped."""
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "qa": {"file_name": "qa.jsonl", "columns": {"prompt": "question", "query": "ctx", "response": "answer"}}}))
+    f = _write(tmp_path / "qa.jsonl", [{"q": "Q", "ctx": "C", "a": "A"}, {"q": "Q2", "a": "A2"}])
+    assert main(["sft", f"sft.train_path={f}", f"train.output_dir={tmp_path / 'run'}", "log.level=quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "dataset_info.json entry 'qa': its columns prompt -> 'question', response -> 'answer' name columns no " \
+        "row has; the rows have ['a', 'ctx', 'q']" in err, err
+    assert "query" not in err   # 'ctx' is there (in one row of two): that mapping matches
+
+
 def test_a_row_that_fits_no_format_lists_the_formats(tmp_path, capsys):
     f = _write(tmp_path / "rows.jsonl", [ALPACA[0], {"question": "q", "reply": "r"}])
     assert main(["sft", f"sft.train_path={f}", f"train.output_dir={tmp_path / 'run'}", "log.level=quiet"]) == 2

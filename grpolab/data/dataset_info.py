@@ -56,6 +56,12 @@ def apply_entry(rows: list[dict], name: str, entry: dict, where: str) -> list[di
     rename = {src: DEFAULT_COLUMNS[ours] for ours, src in columns.items() if ours in DEFAULT_COLUMNS}
     if set(columns) == {"prompt"}:
         rename = {columns["prompt"]: "text"}   # the pre-training form: one text column
+    present = {k for row in rows if isinstance(row, dict) for k in row}
+    matched_none = {ours: src for ours, src in columns.items() if ours in DEFAULT_COLUMNS and src not in present}
+    if rows and matched_none:
+        said = ", ".join(f"{ours} -> {src!r}" for ours, src in matched_none.items())
+        raise DataError(f"{where}: dataset_info.json entry {name!r}: its columns {said} name columns no row has; "
+                        f"the rows have {sorted(present)}")
     roles = {tags[t]: DEFAULT_TAGS[t] for t in ROLE_TAGS if tags.get(t)}
     out = []
     for row in rows:

@@ -654,8 +654,8 @@ def test_code_exec_on_a_data_file_without_tests_exits_2_through_the_cli(tmp_path
     data = tmp_path / "code.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Write f{i}.", "answer": str(i)}) + "\n" for i in range(8)))
     out = tmp_path / "run"
-    r = run_cli("train", *QUICK, f"train.output_dir={out}", f"data.train_path={data}", f"data.test_path={data}",
-                "reward.functions=[code_exec]")
+    r = run_cli("train", *QUICK, f"train.output_dir={out}", "data.task=files", f"data.train_path={data}",
+                f"data.test_path={data}", "reward.functions=[code_exec]")
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
     assert len(lines) == 1 and lines[0].startswith(f"grpolab: reward error: reward function 'code_exec' runs each "

@@ -139,3 +139,81 @@ def test_prompts_too_long_for_the_context_are_named_before_the_warm_start(tmp_pa
         "leaves beside rollout.max_new_tokens=8); the shortest is "), lines
     assert int(lines[0].split("the shortest is ")[1].split()[0]) > shortest
     assert "sft.max_length" not in r.stderr and "warm start" not in r.stdout
+
+
+TINY_RUN = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=96", "sft.steps=2",
+            "sft.bare_steps=0", "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
+            "train.max_steps=2", "eval.k=2", "train.threads=1"]
+
+
+def _rows_file(path, n):
+    path.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(n)))
+    return path
+
+
+def test_one_data_file_names_its_three_ways_to_a_held_out_eval(tmp_path):
+    data = _rows_file(tmp_path / "alpaca.jsonl", 20)
+    r = run_cli("train", *TINY_RUN, "data.task=files", f"data.train_path={data}", f"train.output_dir={tmp_path / 'a'}",
+                timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"grpolab: data error: data.train_path {str(data)!r} is a single file, so it has no "
+                                f"test split for the held-out eval: hold out part of it with data.val_size (e.g. "
+                                f"0.05, or 200 rows), give a held-out file in data.test_path, or skip the eval with "
+                                f"eval.num_problems=0"), r.stderr
+
+
+def test_val_size_holds_out_a_seeded_share_of_the_train_rows(tmp_path):
+    from grpolab.config.load import load_config
+    from grpolab.jobs.inputs import load_data
+    data = _rows_file(tmp_path / "d.jsonl", 40)
+    splits = {}
+    for size, seed in ((0.25, 0), (0.25, 0), (0.25, 1), (5, 0)):
+        cfg = load_config(None, ["data.task=files", f"data.train_path={data}", f"data.val_size={size}",
+                                 f"train.seed={seed}"])
+        train, test = load_data(cfg)
+        prompts = [r["prompt"] for r in train], [r["prompt"] for r in test]
+        assert len(prompts[1]) == (10 if size == 0.25 else 5) and len(prompts[0]) + len(prompts[1]) == 40
+        assert not set(prompts[0]) & set(prompts[1])
+        assert prompts[0] == sorted(prompts[0], key=lambda p: int(p.split()[0]))   # the file's order kept
+        splits[(size, seed, len(splits))] = prompts
+    runs = list(splits.values())
+    assert runs[0] == runs[1] and runs[0] != runs[2]   # the same seed draws the same rows; another seed others
+    r = run_cli("train", *TINY_RUN, "data.task=files", f"data.train_path={data}", f"data.test_path={data}",
+                "data.val_size=0.1", f"train.output_dir={tmp_path / 'b'}", timeout=300)
+    assert r.returncode == 2 and "data.val_size: holds out part of data.train_path" in r.stderr, r.stderr
+
+
+def test_eval_num_problems_0_skips_the_held_out_eval_of_grpolab_train(tmp_path):
+    data = _rows_file(tmp_path / "d.jsonl", 20)
+    out = tmp_path / "run"
+    r = run_cli("train", *TINY_RUN, "data.task=files", f"data.train_path={data}", "eval.num_problems=0",
+                "train.eval_every=1", f"train.output_dir={out}", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "final eval: none (eval.num_problems=0; no eval.json)" in r.stdout + r.stderr
+    assert not (out / "eval.json").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and not any(k.startswith("eval/") for row in rows for k in row)
+    for job in ("sft", "demo"):   # these report their eval before and after: 0 is refused there
+        r = run_cli(job, *TINY_RUN, "eval.num_problems=0", f"train.output_dir={tmp_path / job}", timeout=300)
+        assert r.returncode == 2 and "eval.num_problems: 0 (no held-out eval) is for grpolab train" in r.stderr, \
+            r.stderr
+
+
+def test_a_data_path_given_to_a_generated_task_is_refused(tmp_path):
+    data = _rows_file(tmp_path / "d.jsonl", 4)
+    for key in ("train_path", "test_path"):
+        r = run_cli("train", *TINY_RUN, f"data.{key}={data}", f"train.output_dir={tmp_path / key}", timeout=300)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip() == (f"grpolab: config error: data.{key}: data.task=arithmetic generates its rows "
+                                    f"and reads no file; set data.task=files (or gsm8k) to use {str(data)!r}")
+
+
+def test_the_run_says_when_the_eval_scores_with_another_check_than_the_training_reward():
+    from grpolab.config.load import load_config
+    from grpolab.jobs.train import eval_check_line
+    assert eval_check_line(load_config(None, [])) is None   # gsm8k_accuracy both: nothing to say
+    line = eval_check_line(load_config(None, ["reward.functions=[length]", "eval.k=4", "eval.num_problems=50"]))
+    assert line == ("eval: greedy accuracy and pass@4 on 50 held-out problems are scored by "
+                    "eval.reward=gsm8k_accuracy against each row's answer, not by the training reward (length); "
+                    "set eval.reward to the check that fits the data")
+    assert eval_check_line(load_config(None, ["reward.functions=[length]", "eval.num_problems=0"])) is None

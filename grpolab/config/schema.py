@@ -179,7 +179,11 @@ class DataConfig:
     train_path: str | None = option(None, "gsm8k: jsonl file, dir with train/test.jsonl, or hub id (default "
                                           "openai/gsm8k); files: .jsonl/.json/.parquet/.csv, a `datasets` dir or "
                                           "hub name")
-    test_path: str | None = option(None, "held-out rows; None = train_path's data.test_split (dirs and hub)")
+    test_path: str | None = option(None, "held-out rows; None = train_path's data.test_split (dirs and hub), or "
+                                         "data.val_size of the train rows")
+    val_size: float = option(0.0, "files and gsm8k without data.test_path: hold out this share of the train rows "
+                                  "(0 < x < 1) or this many rows (x >= 1) as the test split, drawn with train.seed "
+                                  "(LLaMA-Factory's val_size); 0 = use data.test_split")
     train_split: str = option("train", "name of the training split inside a dataset dir / hub dataset")
     test_split: str = option("test", "name of the held-out split inside a dataset dir / hub dataset")
     dataset_config: str | None = option(None, "hub dataset config name (e.g. 'main' for openai/gsm8k)")

@@ -189,6 +189,13 @@ def _data(cfg: Config) -> None:
     d = cfg.data
     _choice("data.task", d.task, ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files"))
     need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
+    for key in ("train_path", "test_path"):   # the generated tasks read no file: a path there was ignored
+        need(d.task not in ("arithmetic", "pyfunc") or not getattr(d, key),
+             f"data.{key}: data.task={d.task} generates its rows and reads no file; set data.task=files (or gsm8k) "
+             f"to use {getattr(d, key)!r}")
+    need(d.val_size >= 0 and math.isfinite(d.val_size), "data.val_size: must be >= 0 (a share below 1, or rows)")
+    need(not d.val_size or (d.task in ("files", "gsm8k") and not d.test_path),
+         "data.val_size: holds out part of data.train_path (data.task=files or gsm8k) when data.test_path is not set")
     need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
     _choice("data.on_long_prompt", d.on_long_prompt, ("drop", "error"))
     for name in ("prompt_key", "response_key", "chosen_key", "rejected_key"):
@@ -462,7 +469,7 @@ def _eval(cfg: Config) -> None:
     """eval.*: counts and temperature in range, a known correctness check (code_exec for the code
     tasks)."""
     e = cfg.eval
-    need(e.num_problems >= 1, "eval.num_problems: must be >= 1")
+    need(e.num_problems >= 0, "eval.num_problems: must be >= 0 (0 = no held-out eval; grpolab train only)")
     need(e.k >= 1, "eval.k: must be >= 1")
     need(e.temperature >= MIN_TEMPERATURE, f"eval.temperature: must be >= {MIN_TEMPERATURE} (greedy accuracy is "
          f"measured apart)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import distributed
 from ..config import Config
+from ..errors import ConfigError
 from ..monitor.console import Console
 from ..train.grpo import GRPOTrainer
 from .common import EVAL_KEYS, make_console, setup_torch, write_run_config, write_run_report
@@ -25,6 +26,9 @@ def run(cfg: Config, console: Console | None = None) -> dict:
 
 
 def _demo(cfg: Config, console: Console, t0: float) -> dict:
+    if not cfg.eval.num_problems:
+        raise ConfigError("eval.num_problems: 0 (no held-out eval) is for grpolab train; the demo's summary is "
+                          "its eval before and after training")
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir, GRPOTrainer.job)
     trainer = build_trainer(cfg, run_dir, console)

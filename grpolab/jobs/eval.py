@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..config import Config
+from ..errors import ConfigError
 from ..models.checkpoint import load_model
 from ..monitor.console import Console
 from ..rollout.tool_decode import build_tool_use
@@ -18,6 +19,8 @@ from .inputs import configure_rewards, fit_prompts, load_data
 def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:
     """Evaluate a checkpoint (ours, or any Hugging Face model directory) on the test split;
     writes eval.json and eval_samples.jsonl to `out` and prints a table."""
+    if not cfg.eval.num_problems:
+        raise ConfigError("eval.num_problems: 0 evaluates nothing; give the number of test problems")
     console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=cfg.model.device)

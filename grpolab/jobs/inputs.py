@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from ..config import Config
 from ..data.loading import filter_long_prompts, normalize_rows, read_records
 from ..data.tasks import arithmetic, pyfunc
@@ -58,6 +60,10 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
         # the suffix and system prompt apply to GSM8K as to any dataset
         train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
                                       source=source) for r in (train, test))
+    elif d.val_size and not d.test_path:   # LLaMA-Factory's val_size: the test split drawn from the train rows
+        train, test = hold_out(_read_split(d, d.train_path, d.train_split), d.val_size, cfg.train.seed)
+    elif cfg.eval.num_problems == 0 and not d.test_path:   # no held-out eval: no test split needed
+        train, test = _read_split(d, d.train_path, d.train_split), []
     else:
         train, test = (_read_split(d, path, split) for path, split in
                        ((d.train_path, d.train_split), (d.test_path or d.train_path, d.test_split)))
@@ -80,10 +86,22 @@ def _with_data_source(rows: list[dict], d) -> list[dict]:
     return [r if "data_source" in r else {**r, "data_source": source} for r in rows]
 
 
+def hold_out(rows: list[dict], val_size: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows): `val_size` of the rows (a share below 1, else a count), drawn with `seed`;
+    both keep the file's order."""
+    n = round(len(rows) * val_size) if val_size < 1 else int(val_size)
+    if not 1 <= n < len(rows):
+        raise DataError(f"data.val_size={val_size:g} holds out {n} of the {len(rows)} train rows; it must leave at "
+                        f"least one row on each side")
+    held = set(torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n].tolist())
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
 def _read_split(d, path: str, split: str) -> list[dict]:
     if d.test_path is None and path == d.train_path and split == d.test_split and Path(path).is_file():
-        raise DataError(f"data.test_path: {path!r} is a single file, so it has no test split; "
-                        f"give a held-out file in data.test_path")
+        raise DataError(f"data.train_path {path!r} is a single file, so it has no test split for the held-out "
+                        f"eval: hold out part of it with data.val_size (e.g. 0.05, or 200 rows), give a held-out "
+                        f"file in data.test_path, or skip the eval with eval.num_problems=0")
     return normalize_rows(read_records(path, split, d.dataset_config), prompt_key=d.prompt_key,
                           answer_key=d.answer_key, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
                           source=path)
@@ -99,6 +117,8 @@ def fit_prompts_to(cfg: Config, context: int | None, tok, rows: list[dict], cons
                    split: str) -> list[dict]:
     """fit_prompts for a model of `context` tokens (known before the model is: the built-in GPT's
     model.block_size, so prompts that cannot fit are refused before its warm start)."""
+    if not rows:   # no test split (eval.num_problems=0)
+        return rows
     r = cfg.rollout
     if r.tools:   # a chat template renders the tools into the prompt: measure prompts as they will be
         build_tool_use(r, tok, cfg.model.name_or_path).close()

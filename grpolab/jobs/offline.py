@@ -86,6 +86,9 @@ def start_job(cfg: Config, job: str, console: Console):
     """Run dir, resume checkpoint (train.resume), task rows; (run_dir, ckpt, train_task, test_task)."""
     if distributed.world_from_env().size > 1:
         raise ConfigError(f"{job} runs in one process; drop --nproc / torchrun (data-parallel {job} is not built yet)")
+    if not cfg.eval.num_problems:
+        raise ConfigError(f"eval.num_problems: 0 (no held-out eval) is for grpolab train; {job} reports its eval "
+                          f"before and after training")
     run_dir = Path(cfg.train.output_dir)
     write_run_config(cfg, run_dir, job)
     ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None

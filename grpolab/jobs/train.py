@@ -33,6 +33,9 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     check_resume_job(ckpt, GRPOTrainer.job)
     configure_rewards(cfg, console)
     train_rows, test_rows = load_data(cfg)
+    said = eval_check_line(cfg)
+    if said:
+        console.info(said)
     fitted = None
     if ckpt is None and cfg.model.name_or_path == "builtin" and not cfg.model.init_from:
         # before the warm start, not after it: prompts that cannot fit, a run larger than the machine
@@ -51,6 +54,16 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
     if ckpt is not None:
         trainer.restore(ckpt, weights=False)   # the policy was loaded from ckpt above
     return trainer
+
+
+def eval_check_line(cfg: Config) -> str | None:
+    """What the held-out eval scores with, said at start when the training reward is another one: the eval's
+    correctness check (eval.reward) is not the training reward, and a user's own reward is no accuracy."""
+    if not cfg.eval.num_problems or list(cfg.reward.functions) == [cfg.eval.reward]:
+        return None
+    return (f"eval: greedy accuracy and pass@{cfg.eval.k} on {cfg.eval.num_problems} held-out problems are scored "
+            f"by eval.reward={cfg.eval.reward} against each row's answer, not by the training reward "
+            f"({', '.join(map(str, cfg.reward.functions))}); set eval.reward to the check that fits the data")
 
 
 def run(cfg: Config, console: Console | None = None) -> dict:
@@ -74,7 +87,9 @@ def _train(cfg: Config, console: Console) -> dict:
         final = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
     finally:
         trainer.close()
-    if trainer.world.main:
+    if trainer.world.main and not cfg.eval.num_problems:
+        console.result("final eval: none (eval.num_problems=0; no eval.json)")
+    elif trainer.world.main:
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
         write_run_report(run_dir, console)

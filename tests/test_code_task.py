@@ -99,7 +99,8 @@ def test_code_exec_config_keys_nest_under_reward_and_are_validated():
     with pytest.raises(ConfigError, match="did you mean reward.code_exec.max_procs"):
         load_config(None, ["reward.code_exec.max_proc=4"])
     with pytest.raises(ConfigError, match="eval.reward: data.task=pyfunc is checked by running the code"):
-        load_config(None, ["data.task=pyfunc", "reward.functions=[code_exec]"])
+        load_config(None, ["data.task=pyfunc", "reward.functions=[code_exec]", "eval.reward=gsm8k_accuracy"])
+    assert load_config(None, ["data.task=pyfunc", "reward.functions=[code_exec]"]).eval.reward == "code_exec"
     cfg = load_config(ROOT / "configs" / "code_demo.yaml")
     assert cfg.data.task == "pyfunc" and cfg.reward.functions == ["code_exec"] and cfg.eval.reward == "code_exec"
 

@@ -18,7 +18,7 @@ import yaml
 from ..algorithms.presets import PRESETS
 from ..errors import ConfigError
 from .schema import Config, JudgeConfig
-from .validate import need, short, validate
+from .validate import eval_check, need, short, validate
 
 
 def _coerce(key: str, value: Any, current: Any, ftype: str) -> Any:
@@ -248,6 +248,8 @@ def _apply(cfg: Config, settings: list[tuple[str, Any]]) -> Config:
             _set(cfg, k, v)
     for k, v in settings:
         _set(cfg, k, v)
+    # eval.reward's default follows the training reward (eval_check); the run's config.yaml records the check used
+    cfg.eval.reward = eval_check(cfg)
     validate(cfg)
     return cfg
 

@@ -482,8 +482,10 @@ class EvalConfig:
     k: int = option(8, "samples per problem for pass@k")
     temperature: float = option(1.0, "sampling temperature for pass@k (greedy accuracy uses argmax)")
     batch_size: int = option(512, "completions decoded together")
-    reward: str = option("gsm8k_accuracy", "correctness check for greedy accuracy / pass@k / maj@k (math_accuracy "
-                                           "for \\boxed{} and LaTeX answers; code_exec: all tests pass, no maj@k)")
+    reward: str | None = option(None, "correctness check for greedy accuracy / pass@k / maj@k: gsm8k_accuracy, "
+                                      "math_accuracy (\\boxed{} and LaTeX answers) or code_exec (all tests pass, no "
+                                      "maj@k); None = the first of these that reward.functions lists (the training "
+                                      "reward's own check), else gsm8k_accuracy")
 
 
 @dataclass

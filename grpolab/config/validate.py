@@ -194,6 +194,8 @@ def _data(cfg: Config) -> None:
              f"data.{key}: data.task={d.task} generates its rows and reads no file; set data.task=files (or gsm8k) "
              f"to use {getattr(d, key)!r}")
     need(d.val_size >= 0 and math.isfinite(d.val_size), "data.val_size: must be >= 0 (a share below 1, or rows)")
+    need(d.val_size < 1 or d.val_size == int(d.val_size),
+         f"data.val_size: {d.val_size:g} is neither a share below 1 nor a whole number of rows")
     need(not d.val_size or (d.task in ("files", "gsm8k") and not d.test_path),
          "data.val_size: holds out part of data.train_path (data.task=files or gsm8k) when data.test_path is not set")
     need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
@@ -474,10 +476,24 @@ def _eval(cfg: Config) -> None:
     need(e.temperature >= MIN_TEMPERATURE, f"eval.temperature: must be >= {MIN_TEMPERATURE} (greedy accuracy is "
          f"measured apart)")
     need(e.batch_size >= 1, "eval.batch_size: must be >= 1")
-    _choice("eval.reward", e.reward, ("gsm8k_accuracy", "math_accuracy", "code_exec"))
-    need(cfg.data.task not in ("pyfunc", "humaneval") or e.reward == "code_exec",
-         f"eval.reward: data.task={cfg.data.task} is checked by running the code: set eval.reward=code_exec "
-         f"(and reward.functions=[code_exec])")
+    if e.reward is not None:   # None (a Config built in code): load.py sets eval_check(cfg) before validating
+        _choice("eval.reward", e.reward, EVAL_CHECKS)
+    need(cfg.data.task not in ("pyfunc", "humaneval") or e.reward in (None, "code_exec"),
+         f"eval.reward: data.task={cfg.data.task} is checked by running the code: train with "
+         f"reward.functions=[code_exec] (the eval follows it) or set eval.reward=code_exec")
+
+
+# the correctness checks the held-out eval can score with (a completion is right when its check gives 1.0)
+EVAL_CHECKS = ("gsm8k_accuracy", "math_accuracy", "code_exec")
+
+
+def eval_check(cfg: Config) -> str:
+    """The held-out eval's correctness check: eval.reward when set; else the training reward's own check (the
+    first reward.functions entry that is one of EVAL_CHECKS), as TRL and verl score their eval with the training
+    reward; else gsm8k_accuracy (a '#### <number>' or plain-number answer; _eval refuses it for the code tasks)."""
+    if cfg.eval.reward is not None:
+        return cfg.eval.reward
+    return next((f for f in cfg.reward.functions if f in EVAL_CHECKS), "gsm8k_accuracy")
 
 
 # the order the checks run in: the first problem found is the one reported

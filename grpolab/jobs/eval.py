@@ -29,6 +29,8 @@ def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str |
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
     check_eval_memory(cfg, model, tok, test_rows)   # eval.k / eval.batch_size beyond the memory: one line
     e = cfg.eval
+    # eval.reward's default follows reward.functions (config/validate.py eval_check): say which check scores
+    console.info(f"eval: {min(e.num_problems, len(test_rows))} problems scored by eval.reward={e.reward}")
     res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
                    reward=e.reward, tools=build_tool_use(cfg.rollout, tok, checkpoint))

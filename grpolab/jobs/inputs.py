@@ -39,8 +39,10 @@ def configure_rewards(cfg: Config, console: Console | None = None) -> None:
         load_tools(list(cfg.rollout.tools))
 
 
-def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train rows, test rows), each row with 'prompt', 'answer' and any other columns."""
+def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows), each row with 'prompt', 'answer' and any other columns; without
+    `with_test` (a job that reads only the train rows) the files and GSM8K tasks read no test split
+    (data.val_size's rows are still held out of the train rows)."""
     d = cfg.data
     if d.task == "arithmetic":
         task = arithmetic.ArithmeticConfig(min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand,
@@ -55,18 +57,13 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
         train = load_humaneval(d.train_path) if d.train_path else test
     elif d.task == "gsm8k":
         source = d.train_path or "openai/gsm8k"
-        train = load_gsm8k(source, d.train_split)
-        test = load_gsm8k(d.test_path, None) if d.test_path else load_gsm8k(source, d.test_split)
+        train, test = _train_and_test(cfg, source, load_gsm8k, None, with_test)
         # the suffix and system prompt apply to GSM8K as to any dataset
         train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
-                                      source=source) for r in (train, test))
-    elif d.val_size and not d.test_path:   # LLaMA-Factory's val_size: the test split drawn from the train rows
-        train, test = hold_out(_read_split(d, d.train_path, d.train_split), d.val_size, cfg.train.seed)
-    elif cfg.eval.num_problems == 0 and not d.test_path:   # no held-out eval: no test split needed
-        train, test = _read_split(d, d.train_path, d.train_split), []
+                                      source=source) if r else r for r in (train, test))   # (no test split)
     else:
-        train, test = (_read_split(d, path, split) for path, split in
-                       ((d.train_path, d.train_split), (d.test_path or d.train_path, d.test_split)))
+        train, test = _train_and_test(cfg, d.train_path, lambda path, split: _read_split(d, path, split),
+                                      d.test_split, with_test)
     if d.task in ("arithmetic", "pyfunc", "humaneval") and (d.system_prompt or d.prompt_suffix):
         # the generated tasks' prompts take the system prompt and suffix as any dataset's do
         train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
@@ -97,11 +94,29 @@ def hold_out(rows: list[dict], val_size: float, seed: int) -> tuple[list[dict], 
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
-def _read_split(d, path: str, split: str) -> list[dict]:
-    if d.test_path is None and path == d.train_path and split == d.test_split and Path(path).is_file():
-        raise DataError(f"data.train_path {path!r} is a single file, so it has no test split for the held-out "
+def _train_and_test(cfg: Config, source: str, read, test_path_split: str | None,
+                    with_test: bool) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows) of a dataset read with `read(path, split)`: the test rows are data.val_size of
+    the train rows, else data.test_path's, else none (eval.num_problems=0), else `source`'s data.test_split;
+    one file has no test split, and evaluating on its own train rows would only measure memorisation."""
+    d = cfg.data
+    train = read(source, d.train_split)
+    if d.val_size:   # LLaMA-Factory's val_size (never with data.test_path): held out from every job's train rows
+        return hold_out(train, d.val_size, cfg.train.seed)
+    if not with_test:
+        return train, []
+    if d.test_path:
+        return train, read(d.test_path, test_path_split)
+    if not cfg.eval.num_problems:   # no held-out eval: no test split needed (nor downloaded)
+        return train, []
+    if Path(source).expanduser().is_file():
+        raise DataError(f"data.train_path {source!r} is a single file, so it has no test split for the held-out "
                         f"eval: hold out part of it with data.val_size (e.g. 0.05, or 200 rows), give a held-out "
                         f"file in data.test_path, or skip the eval with eval.num_problems=0")
+    return train, read(source, d.test_split)
+
+
+def _read_split(d, path: str, split: str | None) -> list[dict]:
     return normalize_rows(read_records(path, split, d.dataset_config), prompt_key=d.prompt_key,
                           answer_key=d.answer_key, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
                           source=path)

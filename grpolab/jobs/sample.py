@@ -63,7 +63,7 @@ def run(checkpoint: str, cfg: Config, out: str | Path, console: Console | None =
     sm, r, w = cfg.sample, cfg.rollout, cfg.reward
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=model_device(cfg))
     configure_rewards(cfg, console)
-    rows, _ = load_data(cfg)
+    rows, _ = load_data(cfg, with_test=False)   # sampling needs no test split
     rows = fit_prompts(cfg, model, tok, rows, console, "train")
     tools = build_tool_use(cfg.rollout, tok, checkpoint)   # rollout.tools: samples may call them (SFT masks outputs)
     rows = rows[:sm.num_prompts] if sm.num_prompts else rows

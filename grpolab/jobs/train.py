@@ -59,7 +59,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
 def eval_check_line(cfg: Config) -> str | None:
     """What the held-out eval scores with, said at start when the training reward is another one: the eval's
     correctness check (eval.reward) is not the training reward, and a user's own reward is no accuracy."""
-    if not cfg.eval.num_problems or list(cfg.reward.functions) == [cfg.eval.reward]:
+    if not cfg.eval.num_problems or cfg.eval.reward in cfg.reward.functions:
         return None
     return (f"eval: greedy accuracy and pass@{cfg.eval.k} on {cfg.eval.num_problems} held-out problems are scored "
             f"by eval.reward={cfg.eval.reward} against each row's answer, not by the training reward "

@@ -260,3 +260,25 @@ def test_text_offsets_are_where_each_token_starts(model_dir):
     assert with_bos == [bos] + ids
     offsets = prompt_offsets(HFTokenizer(tok), with_bos, text)
     assert offsets == [0] + [len(tok.decode(ids[:i])) for i in range(len(ids))]
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes(model_dir, hf, url):
+    """A byte-level token holding part of a UTF-8 character had the replacement character's bytes (239, 191,
+    189); its own bytes are what OpenAI's `bytes` field is for. Joined, the tokens' bytes are the text's."""
+    from grpolab.models.hf import HFTokenizer
+    from grpolab.serve.requests import Server
+    _, tok = hf
+    server = Server(None, HFTokenizer(tok), "tiny", 256)
+    for text in ("héllo 😀 日本", "Mia has 7 shells", "€5 — ok"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        raw = server.token_bytes(ids)
+        assert b"".join(bytes(b) for b in raw) == text.encode()
+    partial = [i for i in tok("😀", add_special_tokens=False)["input_ids"] if "\ufffd" in tok.decode([i])]
+    assert partial and all(server.token_bytes([i])[0] != [239, 191, 189] for i in partial)
+    r = _post(url, "/v1/chat/completions", {"model": "tiny", "temperature": 0, "max_tokens": 12, "logprobs": True,
+                                            "top_logprobs": 3, "messages": [{"role": "user", "content": PROMPT}]})
+    entries = r["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == r["choices"][0]["message"]["content"]
+    for e in entries:
+        for t in e["top_logprobs"]:
+            assert bytes(t["bytes"]).decode("utf-8", "replace") == t["token"] or "\ufffd" in t["token"]

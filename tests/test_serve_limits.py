@@ -3,6 +3,8 @@ prompt cost 25 s, 2.6 GB and every other request's turn), and a text that cannot
 before it is tokenized. A real `grpolab serve` subprocess, raw sockets and httpx."""
 
 import socket
+import threading
+import time
 from urllib.parse import urlparse
 
 import httpx
@@ -13,7 +15,7 @@ from test_serve import _builtin
 from grpolab.models import CharTokenizer
 from grpolab.models.checkpoint import save_checkpoint
 from grpolab.models.hf import HFTokenizer
-from grpolab.models.tiny_hf import build_tokenizer
+from grpolab.models.tiny_hf import build_tokenizer, save_tiny_model
 from grpolab.serve.requests import MAX_REQUEST_BYTES, SLACK
 from grpolab.serve.tokenize import longest_token_chars
 
@@ -142,3 +144,37 @@ def test_the_default_limit_is_said_at_start(ckpt):
             with pytest.raises(TimeoutError):   # at the limit: the server waits for the rest of the body
                 s.recv(65536)
     assert f"bodies up to {MAX_REQUEST_BYTES} bytes" in proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("serve_limits_hf") / "llama", vocab_size=300, max_positions=CONTEXT,
+                           layers=1, hidden=32, heads=2, intermediate=64)
+
+
+def test_health_answers_while_a_long_request_is_tokenized(hf_model):
+    """Prompts each just short enough to pass the length check, 2 MB in all (under the default body limit),
+    take the tokenizer seconds: /health answers meanwhile and counts the request as preparing. On the event
+    loop, the tokenizer held every other request (/health waited 24.9 s behind a 150 MB prompt)."""
+    from transformers import AutoTokenizer
+
+    each = SLACK * CONTEXT * longest_token_chars(HFTokenizer(AutoTokenizer.from_pretrained(hf_model)))
+    prompts = ["the cat sat on 12 mats. " * (each // 24)] * (2_000_000 // each)
+    body = {"model": "tiny", "max_tokens": 1, "prompt": prompts}
+    with running_server(hf_model, "--name", "tiny") as (url, _):
+        answer = {}
+        big = threading.Thread(target=lambda: answer.update(r=httpx.post(url + "/v1/completions", json=body,
+                                                                          timeout=600)))
+        big.start()
+        seen = []
+        while big.is_alive():
+            h = httpx.get(url + "/health", timeout=600).json()
+            seen.append(h["preparing"])
+            if h["preparing"]:
+                break
+            time.sleep(0.01)
+        big.join()
+        assert 1 in seen, f"/health never answered while the request was prepared: {seen}"
+        r = answer["r"]   # and the request itself got its answer: too many tokens for the context, a 400
+        assert r.status_code == 400 and f"context is {CONTEXT} tokens" in r.json()["error"]["message"], r.text
+        assert httpx.get(url + "/health").json()["preparing"] == 0

@@ -12,6 +12,7 @@ import random
 import shutil
 import sys
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -216,6 +217,40 @@ def test_hf_model_round_trip(hf_server, hf_model):
     r = hf_server.chat.completions.create(model="llm", messages=[{"role": "user", "content": Q}], tools=[CALC],
                                           tool_choice="none", temperature=0, max_tokens=30)
     assert r.choices[0].message.tool_calls is None and r.usage.prompt_tokens < 40
+
+
+@pytest.mark.slow
+def test_hf_forced_calls_are_held_to_the_tools_schema(hf_server):
+    """tool_choice "required" or a named function: the call is decoded under the tool's parameters schema (as
+    vLLM's guided tool calls), so it always parses, with valid arguments. Unconstrained, the model answers "Hi"
+    with "Hello." inside the forced opening, which came back as content (issue 48); these tools it never saw."""
+    lookup = {"type": "object", "properties": {"unit": {"enum": ["cm", "m"]}, "exact": {"type": "boolean"}},
+              "required": ["unit", "exact"], "additionalProperties": False}
+    flag = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+            "additionalProperties": False}
+    schemas = {"lookup": lookup, "flag": flag}
+    tools = [{"type": "function", "function": {"name": k, "parameters": v}} for k, v in schemas.items()]
+    hi = [{"role": "user", "content": "Hi"}]
+    for choice, names in (("required", {"lookup", "flag"}), ({"type": "function", "function": {"name": "flag"}},
+                                                             {"flag"})):
+        r = hf_server.chat.completions.create(model="llm", messages=hi, tools=tools, tool_choice=choice, n=8,
+                                              temperature=1.0, seed=1, max_tokens=150)
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c
+            (call,) = c.message.tool_calls
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            assert call.function.arguments == json.dumps(json.loads(call.function.arguments))   # Hermes' spacing
+    # the trained call is still written as trained
+    r = hf_server.chat.completions.create(model="llm", messages=[{"role": "user", "content": Q}], tools=[CALC],
+                                          tool_choice="required", temperature=0, max_tokens=150)
+    assert r.choices[0].message.tool_calls, r.choices[0]
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"expression": "12*34"}
+    # a forced call is the reply: a response_format for its content cannot hold too
+    with pytest.raises(openai.BadRequestError) as e:
+        hf_server.chat.completions.create(model="llm", messages=hi, tools=tools, tool_choice="required",
+                                          response_format={"type": "json_object"}, max_tokens=5)
+    assert e.value.body["param"] == "tool_choice" and "response_format" in e.value.body["message"]
 
 
 @pytest.mark.slow

@@ -130,6 +130,12 @@ class Grammars:
         allowed[:, list(self.tok.stop_ids)] = False
         return bool(allowed.any())
 
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's raw bytes as llguidance reads the vocabulary (a byte-level BPE token may hold part of a
+        UTF-8 character; special tokens their text)."""
+        t = self._tokenizer()
+        return [t.decode_bytes([i]) for i in ids]
+
     def matcher(self, c: Constraint):
         """A fresh matcher (one per completion) at the start of `c`."""
         import llguidance

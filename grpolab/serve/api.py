@@ -18,7 +18,6 @@ request or a flood cannot hold the server for minutes or grow its memory without
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -31,7 +30,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from .body_limit import LimitBody
 from .metrics import CONTENT_TYPE, CountRequests
-from .requests import APIError, ChatRequest, CompletionRequest, Server, echo_request, error_body
+from .requests import APIError, ChatRequest, CompletionRequest, Server, error_body
 from .responses import respond
 from .tokenize import DetokenizeRequest, TokenizeRequest, encode, token_strs, tokenizer_info
 
@@ -77,7 +76,7 @@ def create_app(server: Server) -> FastAPI:
     async def health():
         b = server.batcher
         return {"status": "ok", "running": b.running, "waiting": b.waiting, "waiting_rows": b.waiting_rows,
-                "steps": b.steps}
+                "steps": b.steps, "preparing": server.preparing}
 
     @app.get("/v1/models")
     async def models():
@@ -87,26 +86,13 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(r: CompletionRequest, request: Request):
         start = time.monotonic()
-        server._check_model(r.model)
-        p = r.prompt   # a list of strings or of id lists is a batch of prompts; checked before tokenizing them
-        server.check_rows(len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1, r.n)
-        prompts = server.completion_prompts(r)
-        echo = echo_request(server.tok, r, prompts)
-        # max_tokens 0 with echo (vLLM's): one token is sampled, as for any request, and not returned
-        params = server._params(r, max(len(p) for p in prompts), r.max_tokens if echo.generate else 1, r.logprobs)
+        prompts, echo, params = await server.prepared(server.completion_request, r)
         return await respond(server, r, prompts, params, chat=False, request=request, echo=echo, start=start)
 
     @app.post("/v1/chat/completions")
     async def chat(r: ChatRequest, request: Request):
         start = time.monotonic()
-        server._check_model(r.model)
-        server.check_rows(1, r.n)
-        plan = server.tool_plan(r)
-        prompt = server.chat_prompt(r, plan)
-        top = (r.top_logprobs or 0) if r.logprobs else None
-        params = server._params(r, len(prompt), r.max_completion_tokens or r.max_tokens, top)
-        if plan.stop:   # the built-in model's call end: the reply ends at a call, which the client runs
-            params = dataclasses.replace(params, stop=params.stop + plan.stop)
+        prompt, params, plan = await server.prepared(server.chat_request, r)
         return await respond(server, r, [prompt], params, chat=True, request=request, start=start,
                               plan=plan if plan.parse else None)
 
@@ -121,9 +107,9 @@ def create_app(server: Server) -> FastAPI:
             if not r.add_generation_prompt or r.add_special_tokens:
                 raise APIError("messages are tokenized as /v1/chat/completions renders them (with the generation "
                                "prompt, no extra special tokens)", "add_generation_prompt")
-            ids = server.chat_prompt(ChatRequest(model=server.name, messages=r.messages))
-        else:
-            ids = encode(server.tok, r.prompt, r.add_special_tokens is not False)
+            ids = await server.prepared(server.chat_prompt, ChatRequest(model=server.name, messages=r.messages))
+        else:   # no length check: lm-eval tokenizes whole documents to cut them into context-sized windows
+            ids = await server.prepared(encode, server.tok, r.prompt, r.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": server.context, "tokens": ids,
                 "token_strs": token_strs(server.tok, ids) if r.return_token_strs else None}
 

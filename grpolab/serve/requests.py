@@ -9,9 +9,11 @@ in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
-from functools import cached_property
+from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property, partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,6 +34,7 @@ from .tool_calls import (
     plan_tools,
     tool_support,
 )
+from .tool_grammar import forced_call
 
 # defaults of `grpolab serve --max-rows-per-request` and `--max-waiting` (rows = prompts × n)
 MAX_ROWS_PER_REQUEST = 1024
@@ -170,15 +173,67 @@ class Server:
         self.api_key = api_key or None
         self.thread: threading.Thread | None = None
         self.metrics = Metrics(batcher)   # its own registry: two servers in one process count apart
+        # one thread turns requests into prompts (tokenizing, chat templates, grammars): a body of a few MB
+        # takes seconds to tokenize, which on the event loop would hold every other request, /health too.
+        # One, not a pool: requests are prepared in arrival order and the tokenizer is never shared among them
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpolab-prepare")
+        self.preparing = 0   # requests in (or waiting for) that thread; /health reports it
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.batcher.run, name="grpolab-batcher", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
+        self.prep.shutdown(wait=True)
         self.batcher.stop()
         if self.thread is not None:
             self.thread.join()
+
+    async def prepared(self, fn, *args):
+        """`fn(*args)` run in the preparing thread, awaited from the event loop (its APIError raised here)."""
+        self.preparing += 1   # changed on the event loop only
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.prep, partial(fn, *args))
+        finally:
+            self.preparing -= 1
+
+    def completion_request(self, r: CompletionRequest) -> tuple[list[list[int]], Echo, SamplingParams]:
+        """A completions request's prompts (ids), what it wants echoed and its sampling settings; the row
+        ceiling is checked before anything is tokenized."""
+        self._check_model(r.model)
+        p = r.prompt   # a list of strings or of id lists is a batch of prompts
+        self.check_rows(len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1, r.n)
+        prompts = self.completion_prompts(r)
+        echo = echo_request(self.tok, r, prompts)
+        # max_tokens 0 with echo (vLLM's): one token is sampled, as for any request, and not returned
+        params = self._params(r, max(len(p) for p in prompts), r.max_tokens if echo.generate else 1, r.logprobs)
+        return prompts, echo, params
+
+    def chat_request(self, r: ChatRequest) -> tuple[list[int], SamplingParams, ToolPlan]:
+        """A chat request's prompt (ids), sampling settings and tool plan."""
+        self._check_model(r.model)
+        self.check_rows(1, r.n)
+        plan = self.tool_plan(r)
+        prompt = self.chat_prompt(r, plan)
+        top = (r.top_logprobs or 0) if r.logprobs else None
+        params = self._params(r, len(prompt), r.max_completion_tokens or r.max_tokens, top)
+        if plan.stop:   # the built-in model's call end: the reply ends at a call, which the client runs
+            params = dataclasses.replace(params, stop=params.stop + plan.stop)
+        forced = forced_call(self.tok, r.tools or [], r.tool_choice) if plan.parse else None
+        if forced is not None:   # the reply is the call: its arguments held to the tool's schema
+            if params.constraint is not None:
+                raise APIError("response_format and structured_outputs constrain a reply's content, but this "
+                               "tool_choice makes the reply a call (held to the tool's parameters schema); "
+                               "drop one of them", "tool_choice")
+            try:
+                self.grammars.compile(forced)
+            except BadConstraint as e:
+                raise APIError(f"tool_choice: the forced call's grammar does not compile: {e}",
+                               "tool_choice") from None
+            params = dataclasses.replace(params, constraint=forced)
+        if r.logprobs:   # the log-probs' bytes need llguidance's vocabulary (~0.3 s, once): built off the loop
+            self.token_bytes([])
+        return prompt, params, plan
 
     # ---- request -> jobs ---------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -195,6 +250,13 @@ class Server:
                            f"{self.max_rows_per_request} rows (prompts × n) per request (--max-rows-per-request); "
                            f"split it into smaller requests", "prompt" if prompts > 1 else "n",
                            code="request_too_large")
+
+    def token_bytes(self, ids: list[int]) -> list[list[int]]:
+        """Each token's raw bytes, as chat log-probs give them: a token holding part of a UTF-8 character
+        decodes to the replacement character, whose bytes say nothing of the token's."""
+        if hasattr(self.tok, "tok"):   # a Hugging Face tokenizer: its vocabulary's bytes, read by llguidance
+            return [list(b) for b in self.grammars.token_bytes(ids)]
+        return [list(self.tok.decode([t], skip_special=False).encode()) for t in ids]   # the built-in: characters
 
     def check_length(self, chars: int, param: str) -> None:
         """A 400 for a text that cannot fit the context whatever it tokenizes to, before tokenizing it (a long

@@ -64,7 +64,7 @@ async def respond(server: Server, r: SamplingRequest, prompts: list[list[int]], 
             for c in job.choices:
                 choice = {"index": k * n + c.index, "finish_reason": c.finish_reason}
                 if chat:
-                    choice["logprobs"] = _logprobs(server.tok, c, chat) if params.logprobs is not None else None
+                    choice["logprobs"] = _logprobs(server, c, chat) if params.logprobs is not None else None
                 if chat and plan is not None:   # the reply split into content and tool calls
                     content, calls = parse_reply(plan.marks, plan.tools, _reply(server.tok, plan, c, c.text))
                     choice["message"] = {"role": "assistant", "content": content}
@@ -138,7 +138,7 @@ async def respond(server: Server, r: SamplingRequest, prompts: list[list[int]], 
                     lp = None
                     if params.logprobs is not None:   # the tokens since the last chunk
                         t0, t1 = lp_sent.get((k, j), 0), min(len(c.logprobs), ntok)
-                        lp, lp_sent[(k, j)] = _logprobs(server.tok, c, chat, t0, t1), t1
+                        lp, lp_sent[(k, j)] = _logprobs(server, c, chat, t0, t1), t1
                     sent[(k, j)] = max(start, end)
                     if parsers:
                         for piece in tool_chunks(k, j, text[:max(start, end)], done, lp):
@@ -176,16 +176,19 @@ def _finish(c: Choice, called: bool) -> str | None:
     return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
 
-def _logprobs(tok, c: Choice, chat: bool, start: int = 0, end: int | None = None):
+def _logprobs(server: Server, c: Choice, chat: bool, start: int = 0, end: int | None = None):
     """A choice's token log-probs from `start` on, in the completions API's (legacy) or chat's shape."""
+    tok = server.tok
     end = len(c.logprobs) if end is None else end
     ids, lps, tops = c.tokens[start:end], c.logprobs[start:end], c.top[start:end]
     piece = [tok.decode([t], skip_special=False) for t in ids]
     if chat:
-        return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
-                             "top_logprobs": [{"token": (s := tok.decode([t], skip_special=False)), "logprob": v,
-                                               "bytes": list(s.encode())} for t, v in top]}
-                            for p, lp, top in zip(piece, lps, tops)]}
+        raw = server.token_bytes(ids)
+        return {"content": [{"token": p, "logprob": lp, "bytes": b,
+                             "top_logprobs": [{"token": tok.decode([t], skip_special=False), "logprob": v,
+                                               "bytes": tb} for (t, v), tb in zip(top, server.token_bytes(
+                                                   [t for t, _ in top]))]}
+                            for p, lp, top, b in zip(piece, lps, tops, raw)]}
     # where each token's text starts in the completion's text: the length of the text decoded before it
     # (decoding token by token would drop a SentencePiece token's leading space)
     offsets = [len(tok.decode(c.tokens[:i])) for i in range(start, end)]

@@ -7,19 +7,11 @@ import json
 import pytest
 import yaml
 from conftest import run_cli
+from test_small_refusals import TINY_RUN, _rows_file
 
 from grpolab.config.load import load_config
 from grpolab.errors import ConfigError, DataError
 from grpolab.jobs.inputs import load_data
-
-TINY_RUN = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=96", "sft.steps=2",
-            "sft.bare_steps=0", "rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8",
-            "train.max_steps=2", "eval.k=2", "train.threads=1"]
-
-
-def _rows_file(path, n):
-    path.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(n)))
-    return path
 
 
 def test_gsm8k_from_one_file_is_refused_not_evaluated_on_its_own_train_rows(gsm8k_dir):

@@ -22,6 +22,10 @@ torch.set_num_threads(2)
 # tests never read or write the user's warm-start cache (~/.cache): a reused entry would skip the warm start a
 # test measures; tests of the cache name their own directory
 os.environ.setdefault("GRPOLAB_WARM_START_CACHE", "0")
+# a suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every
+# CLI it runs (an ignored signal stays ignored across exec): the Ctrl-C tests would test nothing
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # tests/with_vllm needs vLLM, which lives in its own venv (`make test-vllm`, part of `make test`)
 HAS_VLLM = getattr(importlib.util.find_spec("vllm"), "origin", None) is not None   # (not a namespace folder)

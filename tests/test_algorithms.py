@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from grpolab.algorithms.advantages import ADV_ESTIMATORS, SCALE_REWARDS, TOKEN_ESTIMATORS, compute_advantages
+from grpolab.algorithms.advantages import SCALE_REWARDS
 from grpolab.algorithms.aggregate import AGG_MODES, aggregate
+from grpolab.algorithms.estimators import ADV_ESTIMATORS, compute_advantages
 from grpolab.algorithms.kl import KL_ESTIMATORS, apply_kl_in_reward, kl_penalty
 from grpolab.algorithms.losses import POLICY_LOSSES, compute_policy_loss
 from grpolab.algorithms.presets import PRESET_KEYS, PRESETS, apply_preset
@@ -170,7 +171,11 @@ def _adv(estimator, **opts):
 
 
 def test_registered_names():
-    assert set(ADV_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_baseline", "grpo_passk"}
+    assert set(ADV_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_baseline", "grpo_passk", "gae",
+                                   "reinforce_plus_plus", "remax"}
+    assert {n for n, e in ADV_ESTIMATORS.items() if e.token_level} == {"gae", "reinforce_plus_plus", "remax"}
+    assert [n for n, e in ADV_ESTIMATORS.items() if e.critic] == ["gae"]
+    assert [n for n, e in ADV_ESTIMATORS.items() if e.greedy] == ["remax"]
     assert set(POLICY_LOSSES) == {"clip", "gspo", "reinforce", "cispo"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert set(AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}
@@ -247,7 +252,7 @@ def test_grpo_passk_only_the_best_learns(scale):
     assert tied.abs().max() == 0
 
 
-@pytest.mark.parametrize("estimator", sorted(ADV_ESTIMATORS))
+@pytest.mark.parametrize("estimator", sorted(n for n, e in ADV_ESTIMATORS.items() if not e.token_level))
 def test_every_estimator_identical_group_and_singleton_are_zero_and_opts_ignored(estimator):
     opts = dict(eps=1e-6, unbiased_std=True, scale_rewards="group", not_an_option=123)
     got = _adv(estimator, **opts)
@@ -620,7 +625,7 @@ def test_presets_are_complete_valid_and_as_published():
     for name, p in PRESETS.items():
         assert set(p) == set(PRESET_KEYS), name
         assert all(k.startswith("algorithm.") for k in p)
-        assert p["algorithm.adv_estimator"] in (*ADV_ESTIMATORS, *TOKEN_ESTIMATORS)
+        assert p["algorithm.adv_estimator"] in ADV_ESTIMATORS
         assert p["algorithm.policy_loss"] in POLICY_LOSSES
         assert p["algorithm.kl_estimator"] in KL_ESTIMATORS
         assert p["algorithm.loss_agg_mode"] in AGG_MODES

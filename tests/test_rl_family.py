@@ -18,6 +18,7 @@ from grpolab.algorithms.losses import explained_variance, value_loss
 from grpolab.algorithms.rollout_correction import rollout_correction
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.rollout.engine import generate
+from grpolab.train.group_filters import std_filter
 
 # two rows, the second with a hole (a masked position inside the completion: e.g. tool output)
 MASK = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)
@@ -228,7 +229,7 @@ def test_std_filter_tracks_a_moving_average_of_group_stds(tmp_path):
         groups = [batch.rewards[batch.group_ids == g] for g in range(3)]
         stds = [float(r.std(unbiased=False)) for r in groups]
         stats = {}
-        kept = tr._std_filter(batch, stats)
+        kept, tr.std_ema = std_filter(batch, 0.5, tr.std_ema, stats)
         want = [g for g in range(3) if ema is None or stds[g] >= ema] or [0, 1, 2]
         assert sorted(set(kept.group_ids.tolist())) == want
         assert stats["std_filter/threshold"] == pytest.approx(ema or 0.0)

@@ -147,7 +147,7 @@ def test_entropy_bonus_raises_the_entropy_and_a_negative_sign_would_not(tmp_path
 
     def entropy():
         with torch.no_grad():
-            _, ent = tr._logprobs(tr.model, g, slice(None), with_entropy=True)
+            _, ent = tr.lp(tr.model, g, slice(None), with_entropy=True)
         return float((ent * g.completion_mask).sum() / g.completion_mask.sum())
 
     seen = [entropy()]

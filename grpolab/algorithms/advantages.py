@@ -1,27 +1,31 @@
-"""Advantage estimators: per-completion advantages from rewards grouped by prompt.
+"""Advantage estimators' formulas: per-completion advantages from rewards grouped by prompt, and
+per-token ones from token rewards. algorithms/estimators.py registers them by name, with one signature.
 
-Each estimator is a pure function `(rewards (N,), group_ids (N,), **opts) -> (N,)`,
-registered by name; the trainer picks one with `algorithm.adv_estimator`. The trainer
-passes the same opts (eps, unbiased_std, scale_rewards) to every estimator, so each one
-ignores the opts it does not use. A group of one has no baseline: its advantage is 0
-under every estimator. Statistics are taken in float64; the result has rewards' dtype.
+The group estimators are pure functions `(rewards (N,), group_ids (N,), **opts) -> (N,)`; the trainer
+passes the same opts (eps, unbiased_std, scale_rewards) to every estimator, so each one ignores the opts
+it does not use. A group of one has no baseline: its advantage is 0 under every estimator. Statistics
+are taken in float64; the result has rewards' dtype.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
-ADV_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def register(name: str):
-    def deco(fn):
-        ADV_ESTIMATORS[name] = fn
-        return fn
-    return deco
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read of a batch (the registry's one signature: `fn(inputs, **opts)`)."""
+    rewards: torch.Tensor                       # (N,) each completion's reward
+    group_ids: torch.Tensor                     # (N,) the prompt each completion answers
+    token_rewards: torch.Tensor | None = None   # (N, C) token-level estimators: the reward at the last token,
+    #                                             minus beta * KL per token with algorithm.kl_in_reward
+    mask: torch.Tensor | None = None            # (N, C) the completion tokens that count
+    values: torch.Tensor | None = None          # (N, C) estimators with a critic: its values at rollout time
+    baselines: torch.Tensor | None = None       # (N,) greedy-baseline estimators: the prompt's greedy reward
 
 
 def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor, unbiased_std: bool = False):
@@ -64,7 +68,6 @@ def _finish(adv: torch.Tensor, n: torch.Tensor, rewards: torch.Tensor) -> torch.
     return torch.where(n > 1, adv, torch.zeros_like(adv)).to(rewards.dtype)
 
 
-@register("grpo")
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-4,
                     unbiased_std: bool = False, scale_rewards: str = "group", **_) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean_g(r)) / (std_g(r) + eps).
@@ -78,7 +81,6 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: floa
     return _finish(adv, n, rewards)
 
 
-@register("dr_grpo")
 def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") and nanochat:
 
@@ -87,7 +89,6 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> t
     return grpo_advantages(rewards, group_ids, scale_rewards="none")
 
 
-@register("rloo")
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torch.Tensor:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): leave-one-out baseline.
 
@@ -98,7 +99,6 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torc
     return _finish(adv, n, rewards)
 
 
-@register("reinforce_baseline")
 def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-4,
                                   unbiased_std: bool = False, **_) -> torch.Tensor:
     """REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262): group mean baseline, batch whitening.
@@ -119,7 +119,6 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor
     return _finish(adv, n, rewards)
 
 
-@register("grpo_passk")
 def grpo_passk_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-4,
                           unbiased_std: bool = False, scale_rewards: str = "group", **_) -> torch.Tensor:
     """Pass@k-style GRPO (Tang et al. 2025, arXiv:2503.19595; verl's grpo_passk): only the best
@@ -146,28 +145,12 @@ def grpo_passk_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps
     return _finish(_scale(gap, rewards, std, scale_rewards, eps, unbiased_std), n, rewards)
 
 
-def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
-                       **opts) -> torch.Tensor:
-    """Advantages (N,) for `rewards` (N,) float and `group_ids` (N,) int, by estimator name.
-
-    opts (eps, unbiased_std, scale_rewards, ...) an estimator does not use are ignored.
-    """
-    try:
-        fn = ADV_ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(f"unknown adv_estimator {estimator!r}; known: {', '.join(ADV_ESTIMATORS)}") from None
-    return fn(rewards, group_ids, **opts)
-
-
 # ---------------------------------------------------------------------------- token-level estimators
 #
 # These work on (B, T) token rewards (the sequence score at the last completion token, minus
 # beta * KL per token with algorithm.kl_in_reward) and return (advantages, returns), both (B, T).
 # Positions where `mask` is 0 (padding, or tool output inside a completion) are skipped: they get
 # no reward, no advantage, and the recursions carry their running values through them unchanged.
-
-TOKEN_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax")
-
 
 def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
                         beta: float = 0.0) -> torch.Tensor:

@@ -8,6 +8,8 @@ from math import comb
 
 import torch
 
+from .. import distributed as dist
+from ..config import Config
 from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
 from ..data.math_answers import parse_completion
 from ..rewards import get_reward
@@ -143,4 +145,25 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
                        **({"greedy_tool_calls": calls[i]} if tools is not None else {}),
                        **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}
                       for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]
+    return out
+
+
+def evaluate_ranks(model, tokenizer, rows: list[dict], cfg: Config, world: dist.World, tools=None,
+                   engine=None) -> dict:
+    """`evaluate` of the trainer's held-out rows with its eval.* settings. With several ranks each evaluates
+    every N-th problem and the metrics are taken over all of them (every rank gets the same numbers)."""
+    e = cfg.eval
+    ids = list(range(world.rank, len(rows), world.size))   # every N-th problem (all of them in one process)
+    res = evaluate(model, tokenizer, [rows[i] for i in ids], k=e.k, temperature=e.temperature,
+                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
+                   reward=e.reward, row_ids=ids, tools=tools, engine=engine) if ids else {"samples": []}
+    samples = res.pop("samples")
+    if world.size == 1:
+        return res
+    recs = dist.unstride(dist.gather_objects(samples))   # every problem's record, in problem order
+    k = len(recs[0].get("samples", [])) or 1
+    out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
+                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)])
+    if tools is not None:
+        out["tool_calls_per_completion"] = sum(len(r["greedy_tool_calls"]) for r in recs) / len(recs)
     return out

@@ -1,0 +1,86 @@
+"""The advantage estimators by name (`algorithm.adv_estimator`), one signature for all of them:
+
+    fn(inputs: AdvantageInputs, **opts) -> (advantages, returns)
+
+advantages are (N,) for the group estimators and (N, C) for the token-level ones; returns are None, or
+(N, C) where a token-level estimator has them (gae: the critic's targets). opts are every option the
+trainer has (eps, unbiased_std, scale_rewards, gamma, lam); each estimator ignores the ones it does not
+use. An entry's flags tell the trainer, once, what the estimator needs: token-level rewards (which are
+whitened over the batch, so one process), a critic, or each prompt's greedy completion.
+
+A new estimator is a function with this signature in a file of its own plus one line in ADV_ESTIMATORS
+(docs/architecture.md shows one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .advantages import (
+    AdvantageInputs,
+    compute_gae,
+    compute_reinforce_plus_plus,
+    compute_remax,
+    dr_grpo_advantages,
+    grpo_advantages,
+    grpo_passk_advantages,
+    reinforce_baseline_advantages,
+    rloo_advantages,
+)
+
+Advantages = tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable[..., Advantages]   # fn(inputs, **opts) -> (advantages, returns or None)
+    token_level: bool = False       # reads token_rewards and mask; (N, C) advantages
+    critic: bool = False            # reads values: the run trains a critic (PPO)
+    greedy: bool = False            # reads baselines: each prompt's greedy completion is sampled and scored
+
+
+def by_group(formula: Callable[..., torch.Tensor]) -> Callable[..., Advantages]:
+    """A group estimator's formula `(rewards, group_ids, **opts) -> (N,)` under the registry's signature."""
+    def fn(x: AdvantageInputs, **opts) -> Advantages:
+        return formula(x.rewards, x.group_ids, **opts), None
+    fn.__doc__ = formula.__doc__
+    return fn
+
+
+def gae(x: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0, **_) -> Advantages:
+    return compute_gae(x.token_rewards, x.values, x.mask, gamma, lam)
+
+
+def reinforce_plus_plus(x: AdvantageInputs, *, gamma: float = 1.0, **_) -> Advantages:
+    return compute_reinforce_plus_plus(x.token_rewards, x.mask, gamma)
+
+
+def remax(x: AdvantageInputs, **_) -> Advantages:
+    return compute_remax(x.token_rewards, x.baselines.to(x.mask.device), x.mask)
+
+
+ADV_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(by_group(grpo_advantages)),
+    "dr_grpo": Estimator(by_group(dr_grpo_advantages)),
+    "rloo": Estimator(by_group(rloo_advantages)),
+    "reinforce_baseline": Estimator(by_group(reinforce_baseline_advantages)),
+    "grpo_passk": Estimator(by_group(grpo_passk_advantages)),
+    "gae": Estimator(gae, token_level=True, critic=True),
+    "reinforce_plus_plus": Estimator(reinforce_plus_plus, token_level=True),
+    "remax": Estimator(remax, token_level=True, greedy=True),
+}
+
+
+def estimator(name: str) -> Estimator:
+    try:
+        return ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown adv_estimator {name!r}; known: {', '.join(ADV_ESTIMATORS)}") from None
+
+
+def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, name: str = "grpo", **opts) -> torch.Tensor:
+    """Advantages (N,) of a group estimator for `rewards` (N,) float and `group_ids` (N,) int."""
+    return estimator(name).fn(AdvantageInputs(rewards, group_ids), **opts)[0]

@@ -1,0 +1,46 @@
+"""Rollouts sampled in the trainer's process by the built-in engine, on the policy's own weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from ..distributed import World
+from ..errors import NonFiniteLogits
+from ..monitor.console import StepProgress
+from .engine import sample
+from .generation import Generation
+from .prompt_feed import PromptFeed, Request, rank_share
+from .source import RolloutSource, Taken, diverged
+
+
+class BuiltinSource(RolloutSource):
+    def __init__(self, model, feed: PromptFeed, world: World, progress: StepProgress, tools=None,
+                 full_weights: Callable[..., AbstractContextManager] | None = None) -> None:
+        self.model, self.feed, self.world, self.progress, self.tools = model, feed, world, progress, tools
+        self.full_weights = full_weights   # sharded policies: the whole weights gathered for the decode
+
+    def take(self, step: int) -> Taken:
+        t0 = time.perf_counter()
+        req = self.feed.draw()
+        share = rank_share(len(req.rows), self.world.rank, self.world.size)
+        req = Request(req.rows[share], req.draws[share], req.epoch)
+        self.model.eval()
+        self.progress.start_phase("rollout", len(req.rows) * self.feed.G)
+        # counts the tokens as they are sampled, for the progress line
+        count = self._count_tokens if self.progress.on and self.tools is None else None
+        try:
+            with self.full_weights(self.model):   # sharded: gathered once for the whole decode
+                gens = [self.sample(c.pop("prompts"), on_tokens=count if i == 0 else None, **c)
+                        for i, c in enumerate(self.feed.calls(req))]
+        except NonFiniteLogits:
+            raise diverged(step) from None
+        batch = self.feed.batch(req.rows, gens, step)
+        return Taken(batch, req.epoch, {"time/generate": time.perf_counter() - t0})
+
+    def sample(self, prompts: list[list[int]], **kw) -> Generation:
+        return sample(self.model, prompts, tools=self.tools, **kw)
+
+    def _count_tokens(self, n: int) -> None:
+        self.progress.add(tokens=n)

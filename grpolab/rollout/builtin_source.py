@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import nullcontext
 
+from ..config import Config
 from ..distributed import World
 from ..errors import NonFiniteLogits
-from ..monitor.console import StepProgress
+from ..monitor.console import Console, StepProgress
 from .engine import sample
 from .generation import Generation
 from .prompt_feed import PromptFeed, Request, rank_share
@@ -16,10 +16,11 @@ from .source import RolloutSource, Taken, diverged
 
 
 class BuiltinSource(RolloutSource):
-    def __init__(self, model, feed: PromptFeed, world: World, progress: StepProgress, tools=None,
-                 full_weights: Callable[..., AbstractContextManager] | None = None) -> None:
+    def __init__(self, cfg: Config, model, feed: PromptFeed, world: World, progress: StepProgress, *, tools=None,
+                 console: Console | None = None, full_weights=None) -> None:
         self.model, self.feed, self.world, self.progress, self.tools = model, feed, world, progress, tools
-        self.full_weights = full_weights   # sharded policies: the whole weights gathered for the decode
+        # sharded policies: the whole weights gathered for the decode (sharding.full_weights)
+        self.full_weights = full_weights or (lambda model: nullcontext())
 
     def take(self, step: int) -> Taken:
         t0 = time.perf_counter()

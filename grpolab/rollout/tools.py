@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures as cf
+import functools
 import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import ConfigError, RewardError, ToolCallError
-from ..rewards.code import SETTINGS
 from ..rewards.custom import load_function
+from ..rewards.runtime import RewardRuntime
 from ..sandbox.runner import run_program
 
 # ------------------------------------------------------------------ built-in tools
@@ -72,9 +73,14 @@ def python(code: str) -> str:
     Args:
         code: the program; use print() to show results.
     """
-    v = run_program(str(code), {"mode": "output"}, SETTINGS.limits, unsafe=SETTINGS.unsafe)
+    return run_python(code, RewardRuntime())
+
+
+def run_python(code: str, runtime: RewardRuntime) -> str:
+    """The python tool in the sandbox `runtime` sets (reward.code_exec's limits)."""
+    v = run_program(str(code), {"mode": "output"}, runtime.limits, unsafe=runtime.unsafe)
     if v.status == "timeout":
-        raise ToolCallError(f"the program ran longer than {SETTINGS.limits.timeout}s")
+        raise ToolCallError(f"the program ran longer than {runtime.limits.timeout}s")
     if v.status not in ("passed", "failed"):
         raise ToolCallError(f"the sandbox could not run the program ({v.status}: {v.detail})")
     return v.detail
@@ -105,8 +111,9 @@ class Tool:
         return str(self.fn(**args))
 
 
-def load_tool(spec: str) -> Tool:
-    """A built-in tool by name, or a user function `module:function` / `file.py:function`."""
+def load_tool(spec: str, runtime: RewardRuntime | None = None) -> Tool:
+    """A built-in tool by name, or a user function `module:function` / `file.py:function`. `runtime`: the
+    sandbox the python tool runs programs in (reward.code_exec); None = the defaults."""
     from transformers.utils import get_json_schema
     if spec in BUILTIN:
         fn = BUILTIN[spec]
@@ -124,11 +131,14 @@ def load_tool(spec: str) -> Tool:
         raise ConfigError(f"rollout.tools: {spec!r}: cannot describe it for the model ({e}); give the function "
                           f"type hints and a Google-style docstring with an Args: section") from None
     params = list(schema["function"].get("parameters", {}).get("properties", {}))
+    if fn is python and runtime is not None:   # the schema is python's; the programs run in the run's sandbox
+        fn = functools.partial(run_python, runtime=runtime)
     return Tool(schema["function"]["name"] if spec in BUILTIN else spec.rsplit(":", 1)[1], fn, schema, params)
 
 
-def load_tools(specs: list[str]) -> dict[str, Tool]:
-    tools = [load_tool(s) for s in specs]
+def load_tools(specs: list[str], runtime: RewardRuntime | None = None) -> dict[str, Tool]:
+    """The tools `specs` name (rollout.tools), by name; `runtime`: as for `load_tool`."""
+    tools = [load_tool(s, runtime) for s in specs]
     names = [t.name for t in tools]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

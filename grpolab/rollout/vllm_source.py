@@ -7,7 +7,7 @@ import time
 
 from ..config import Config
 from ..distributed import World
-from ..monitor.console import StepProgress
+from ..monitor.console import Console, StepProgress
 from .builtin_source import BuiltinSource
 from .generation import Generation
 from .prompt_feed import PromptFeed
@@ -26,9 +26,9 @@ def vllm_options(cfg: Config) -> dict:
 
 
 class VLLMSource(BuiltinSource):
-    def __init__(self, model, feed: PromptFeed, world: World, progress: StepProgress, cfg: Config,
-                 full_weights=None) -> None:
-        super().__init__(model, feed, world, progress, None, full_weights)
+    def __init__(self, cfg: Config, model, feed: PromptFeed, world: World, progress: StepProgress, *, tools=None,
+                 console: Console | None = None, full_weights=None) -> None:
+        super().__init__(cfg, model, feed, world, progress, full_weights=full_weights)   # (no tools: validated)
         self.engine = VLLMEngine(model.causal_lm().config, **vllm_options(cfg))
         self.for_eval = cfg.vllm.eval
         self.version = 0

@@ -33,10 +33,10 @@ IN_FLIGHT = "in_flight.pt"
 class WorkerSource(RolloutSource):
     saves_files = True
 
-    def __init__(self, model, feed: PromptFeed, world: dist.World, progress: StepProgress, cfg: Config,
-                 device: torch.device, console: Console | None = None) -> None:
+    def __init__(self, cfg: Config, model, feed: PromptFeed, world: dist.World, progress: StepProgress, *,
+                 tools=None, console: Console | None = None, full_weights=None) -> None:
         self.model, self.feed, self.world, self.progress, self.cfg = model, feed, world, progress, cfg
-        self.device, self.console = device, console
+        self.device, self.console = next(model.parameters()).device, console
         self.k, self.n_workers, self.max_steps = cfg.train.async_steps, cfg.train.worker_count, cfg.train.max_steps
         self.pool: WorkerPool | None = None      # started at the first take, after a resume put back the weights
         self.published = 0                       # the newest policy version the workers may sample with

@@ -10,7 +10,7 @@ Decode: 16 prompts of 128 random token ids x 8 samples, temperature 1, in two re
 256 new tokens per row) and RL-like (row r stops at 16 + 240 u^3 tokens, the longest set to 256: our
 engines through per-row budgets, HF's through a logits processor that forces the end token then). Three
 engines alternate after a warm-up: `graph` (the slotted decode with CUDA graphs, rollout/slot_decode.py),
-`eager` (the pre-graph engine: rollout/core.py with the lean decode path) and `hf` (model.generate).
+`eager` (the pre-graph engine: rollout/decode_loop.py with the lean decode path) and `hf` (model.generate).
 Tokens/s count the tokens each row keeps. `ms_per_step` is a fixed-length run's wall time over its 256
 steps (prefill included); `floor_ms` is the memory-bandwidth floor of one step at the batch's mean
 context (weights + the KV cache read once at the card's peak bandwidth), `of_floor` their ratio.

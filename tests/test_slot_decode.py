@@ -1,5 +1,5 @@
 """The slotted decode (rollout/slot_decode.py): on a CPU it runs eagerly, and must sample what the eager
-engine (rollout/core.py) samples; a row's completion must not depend on its batch; the Triton attention
+engine (rollout/decode_loop.py) samples; a row's completion must not depend on its batch; the Triton attention
 kernel must compute the reference's attention. The CUDA-graph cases run where a GPU is (bench/gpu.py
 runs the same checks at real model shapes)."""
 

@@ -2,7 +2,7 @@
 
 Each prompt is prefilled once; its cache is then copied to its G samples and all
 P*G rows decode together, one token per forward pass, until every row has emitted a
-stop token or max_new_tokens is reached (core.py). Rows that have stopped leave the batch (in
+stop token or max_new_tokens is reached (decode_loop.py). Rows that have stopped leave the batch (in
 groups: a quarter of the batch at a time), so later steps compute only the rows still going.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from . import slot_decode
-from .core import PREFILL_CHUNK, Penalties, decode
+from .decode_loop import PREFILL_CHUNK, Penalties, decode
 from .generation import Generation
 from .tool_decode import ToolSession
 
@@ -38,7 +38,7 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     B outputs (a logits processor; bench/rollout.py forces each row's stop length with it).
     `prefill_chunk`: prompt positions per prefill forward (0: the whole prompt in one); the same values.
     `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`: vLLM's SamplingParams
-    fields (core.Penalties), applied before `logits_hook`; at their defaults nothing is processed.
+    fields (decode_loop.Penalties), applied before `logits_hook`; at their defaults nothing is processed.
     `budgets` (num_prompts * G,): each row's own token cap, at most max_new_tokens (vLLM's per-request
     max_tokens). `on_tokens(n)`: told how many tokens were sampled, as they are (a progress count).
     `slots`: sample through the slotted decode (slot_decode.py: CUDA graphs on a GPU); None: wherever it

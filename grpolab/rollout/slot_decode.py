@@ -1,7 +1,7 @@
 """The GPU rollout path: a slotted KV cache, the decode step captured as a CUDA graph per batch bucket,
 sampling on the device with the keyed uniforms, and no host synchronisation per token.
 
-On a GPU the eager decode (core.py) is bound by kernel launches and Python: a small model's step is a
+On a GPU the eager decode (decode_loop.py) is bound by kernel launches and Python: a small model's step is a
 few hundred kernels of microseconds each, every one waiting for the CPU. Here everything a step does
 (sample the next token from the logits, record it, stop rows, run the model on it) reads and writes
 preallocated tensors at fixed addresses, so it is captured once as a CUDA graph and replayed: one
@@ -13,7 +13,7 @@ those steps only: a finished row's outputs are masked by its recorded end.
 A row's completion does not depend on the batch around it (the keyed uniforms, plus the kernels of
 models/slot_forward.py: the same shapes whoever shares the batch). Each prompt is prefilled alone, padded
 to a multiple of `PREFILL_ROUND` tokens, by a graph captured once per padded length.
-On a CPU the same code runs eagerly (no graphs): the tests hold it to core.py's engine there.
+On a CPU the same code runs eagerly (no graphs): the tests hold it to decode_loop.py's engine there.
 """
 
 from __future__ import annotations

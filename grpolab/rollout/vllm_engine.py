@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError
 from ..utils.padding import pad_sequences
-from .core import check_finite
+from .decode_loop import check_finite
 from .generation import Generation
 
 _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the engine runs in this process

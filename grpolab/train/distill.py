@@ -18,7 +18,7 @@ from ..algorithms.losses import distill_kl
 from ..data.supervised import Example, collate, encode, fit_length
 from ..rollout.engine import generate
 from ..rollout.keys import completion_keys
-from .offline import OfflineTrainer
+from .offline_trainer import OfflineTrainer
 from .sft import model_context, task_eval
 
 DISTILL_SALT = 0x64737469   # 'dsti': on-policy samples never share keys with RL rollouts of the same seed

@@ -18,7 +18,7 @@ from ..data.preference import side_row
 from ..data.supervised import collate, encode, fit_length
 from ..models.logprobs import summed_logprobs
 from ..models.reference import frozen_reference, reference
-from .offline import OfflineTrainer
+from .offline_trainer import OfflineTrainer
 from .sft import model_context, task_eval
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..algorithms.losses import bradley_terry_loss
 from ..rewards.calling import completion_text
-from .offline import OfflineTrainer
+from .offline_trainer import OfflineTrainer
 
 PairIds = tuple[list[int], list[int], float]   # chosen ids, rejected ids, margin
 

@@ -17,7 +17,7 @@ from ..models.logprobs import token_logprobs
 from ..monitor.console import eta_seconds, progress_line
 from ..rollout.tool_decode import build_tool_use
 from .evaluate import evaluate
-from .offline import OfflineTrainer, total_steps
+from .offline_trainer import OfflineTrainer, total_steps
 from .schedule import lr_factor
 from .warm_start_cache import ENV, WarmStartCache
 

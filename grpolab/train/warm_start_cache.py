@@ -31,7 +31,7 @@ import torch
 
 from .. import __version__
 from ..models import set_gradient_checkpointing
-from .offline import total_steps
+from .offline_trainer import total_steps
 
 ENV = "GRPOLAB_WARM_START_CACHE"
 OFF = ("0", "off", "false", "no")

@@ -104,8 +104,9 @@ def build_ours(model: Path, run_dir: Path, s: Setting, max_steps: int = 10_000):
     """grpolab's GRPOTrainer for the setting (the same path as `grpolab train`: data, policy, LoRA)."""
     from grpolab.jobs.train import build_trainer
     from grpolab.monitor.console import Console
+    from grpolab.train.run import Run
     cfg = ours_config(model, run_dir, s, max_steps)
-    return build_trainer(cfg, run_dir, Console(stream=sys.stderr, level="quiet"))
+    return build_trainer(cfg, Run(cfg, "grpo"), Console(stream=sys.stderr, level="quiet"))
 
 
 def drawn_rows(s: Setting, steps: int, model: Path) -> list[dict]:

@@ -26,7 +26,7 @@ from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.serve.api import create_app
 from grpolab.serve.batcher import Batcher
-from grpolab.serve.engine import load_engine
+from grpolab.serve.model_loader import load_engine
 from grpolab.serve.requests import Server
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["apples", "pears"]}},

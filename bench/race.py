@@ -91,6 +91,7 @@ def run_ours(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
     from grpolab.config.load import config_from_dict
     from grpolab.jobs.train import build_trainer
     from grpolab.monitor.console import Console
+    from grpolab.train.run import Run
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_from_dict({
             "model": {"name_or_path": str(ckpt), "dtype": "float32", "device": "cpu"},
@@ -103,7 +104,7 @@ def run_ours(ckpt: Path, steps: int, every: int, n_eval: int) -> list[dict]:
             "train": {"max_steps": steps, "seed": SEED, "threads": THREADS, "output_dir": tmp},
             "log": {"level": "quiet", "samples_every": 0},
         })
-        trainer = build_trainer(cfg, Path(tmp), Console(stream=sys.stderr, level="quiet"))
+        trainer = build_trainer(cfg, Run(cfg, "grpo"), Console(stream=sys.stderr, level="quiet"))
         rows = eval_rows(n_eval)
         curve = [{"step": 0, "train_s": 0.0, "greedy": greedy_accuracy(trainer.model.hf, trainer.tok, rows)}]
         train_s = 0.0

@@ -4,7 +4,7 @@ message), an `answer` column.
 
     .venv/bin/python bench/reward_isolation.py
 
-Prints, per function call (best of --reps): the copy every reward function gets (combine._own_copy)
+Prints, per function call (best of --reps): the copy every reward function gets (combine.own_copy)
 next to copy.deepcopy of the same data, and a whole score() of gsm8k_accuracy with the copy and the
 timeout watchdog, without the watchdog (timeout 0), and without either.
 """
@@ -51,19 +51,19 @@ def main() -> None:
     for label, prompts in (("plain", plain), ("chat", chat)):
         kwargs = {"prompts": prompts, "completions": as_completions(prompts, completions), "completion_ids": ids,
                   "trainer_state": TrainerState(), **cols}
-        out[f"{label}_own_copy_ms"] = best_ms(lambda: combine._own_copy(kwargs), args.reps)
+        out[f"{label}_own_copy_ms"] = best_ms(lambda: combine.own_copy(kwargs), args.reps)
         out[f"{label}_deepcopy_ms"] = best_ms(lambda: copy.deepcopy(kwargs), args.reps)
 
     def run(timeout: float) -> None:
         combine.score(["gsm8k_accuracy"], None, plain, completions, cols, completion_ids=ids, timeout=timeout)
     out["score_ms"] = best_ms(lambda: run(300), args.reps)
     out["score_no_timeout_ms"] = best_ms(lambda: run(0), args.reps)
-    own = combine._own_copy
-    combine._own_copy = lambda kwargs: kwargs   # the same call with the functions sharing the caller's objects
+    own = combine.own_copy
+    combine.own_copy = lambda kwargs: kwargs   # the same call with the functions sharing the caller's objects
     try:
         out["score_no_timeout_no_copy_ms"] = best_ms(lambda: run(0), args.reps)
     finally:
-        combine._own_copy = own
+        combine.own_copy = own
     print(json.dumps(out))
 
 

@@ -177,7 +177,7 @@ def e2e(model: str, rounds: int) -> list[dict]:
     bias, the grammar's masks), medians over the rounds."""
     from grpolab.rollout.structured import Constraint
     from grpolab.serve.batcher import Job, SamplingParams
-    from grpolab.serve.engine import load_engine
+    from grpolab.serve.model_loader import load_engine
 
     torch.set_num_threads(2)
     batcher, tok, _ = load_engine(model, max_batch=8)

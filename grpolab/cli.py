@@ -1,11 +1,10 @@
 """Command line: grpolab demo | train | sft | dpo | rm | distill | sample | pipeline | eval | export | report |
-serve | generate | tiny-model. Thin: parse, build the config, call the job."""
+serve | generate | tiny-model. Thin: parse, build the config, call the verb's job from VERBS."""
 
 from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import logging
 import os
 import re
@@ -14,29 +13,31 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
+import torch.distributed
 from safetensors import SafetensorError
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from . import distributed
+from .config import Config
+from .config.load import load_config
 from .errors import CheckpointError, ConfigError, DataError, ExportError, RewardError, TrainingError
+from .jobs import demo, distill, dpo, export, generate, pipeline, report, rm, sample, serve, sft, tiny_model, train
+from .jobs import eval as eval_job
 from .utils.files import says_disk_full, torch_write_failed
 
 DEMO_DIR = "runs/demo"
 
-
-def _job(command: str):
-    """grpolab.jobs.<command>, imported when the command runs: --help and usage errors answer without
-    loading torch (a second or more on a small machine)."""
-    return importlib.import_module(f"{__package__}.jobs.{command.replace('-', '_')}")
-
-
-def _distributed():
-    return importlib.import_module(f"{__package__}.distributed")
-
-
-def load_config(path, overrides):
-    """grpolab.config.load.load_config, imported when a command runs (its validation reads the reward
-    and algorithm registries, which load torch)."""
-    return importlib.import_module(f"{__package__}.config.load").load_config(path, overrides)
+# each verb's job: run(cfg, args), cfg the loaded config (None for a verb without one, see _config);
+# jobs.eval comes in as eval_job, as `eval` would hide the builtin
+VERBS: dict[str, Callable[[Config | None, argparse.Namespace], Any]] = {
+    "demo": demo.run, "train": train.run, "sft": sft.run, "dpo": dpo.run, "rm": rm.run, "distill": distill.run,
+    "sample": sample.run, "pipeline": pipeline.run, "eval": eval_job.run, "serve": serve.run,
+    "generate": generate.run, "report": report.run, "export": export.run, "tiny-model": tiny_model.run,
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,11 +196,6 @@ def _launch(nproc: int, argv: list[str]) -> int:
     """Run `grpolab argv` as `nproc` local ranks with torch's elastic launcher (what torchrun
     --standalone does); its exit code. A failing rank prints its own one-line error; the launcher
     adds one line naming the rank, instead of its report."""
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     rest, skip = [], False
     for a in argv:   # drop --nproc N / --nproc=N: each rank runs one process
         if skip:
@@ -264,49 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _launch(nproc, argv)
     try:
-        job = _job(args.command)
-        if args.command == "demo":
-            out = args.out or next((o.split("=", 1)[1] for o in reversed(args.overrides)
-                                    if o.startswith("train.output_dir=")), DEMO_DIR)
-            overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={out}"]
-            if args.steps is not None:
-                overrides.append(f"train.max_steps={args.steps}")
-            job.run(load_config(args.config, overrides))
-        elif args.command in ("train", "sft", "dpo", "rm", "distill"):
-            job.run(load_config(*_config_and_overrides(args)))
-        elif args.command == "sample":
-            overrides = list(args.overrides) + ([f"sample.k={args.k}"] if args.k is not None else []) + \
-                (["sample.pairs=true"] if args.pairs else [])
-            job.run(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), overrides), args.out)
-        elif args.command == "pipeline":
-            job.run(args.config, list(args.overrides))
-        elif args.command == "eval":
-            job.run(args.checkpoint, load_config(_run_config(args.checkpoint, args.config), args.overrides),
-                         out=args.out)
-        elif args.command == "serve":
-            if args.overrides:
-                parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
-            job.run(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
-                      max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
-                      api_key=args.api_key, max_rows_per_request=args.max_rows_per_request,
-                      max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes)
-        elif args.command == "generate":
-            if args.n < 1 or args.max_batch < 1:
-                parser.error("--n and --max-batch must be >= 1")
-            if args.n > args.max_batch:   # a prompt's n rows decode together: more would overrun the batch
-                parser.error(f"--n {args.n} is more than --max-batch {args.max_batch}: raise --max-batch")
-            settings, dotted = job.split_overrides(args.overrides)
-            if dotted and not args.score:
-                parser.error(f"{dotted[0]}: config overrides only matter with --score")
-            score_cfg = load_config(_run_config(args.model, args.config), dotted) if args.score else None
-            job.run(args.model, args.inp, args.out, n=args.n, settings=settings, max_batch=args.max_batch,
-                         score_cfg=score_cfg, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
-        elif args.command == "report":
-            print(job.run(args.run_dir))
-        elif args.command == "tiny-model":
-            print(f"wrote {job.run(args.out, args.data, vocab_size=args.vocab_size)}")
-        elif args.command == "export":
-            print(job.run(args.checkpoint, args.out_dir, merge=args.merge, dtype=args.dtype))
+        VERBS[args.command](_config(args, parser), args)
         return 0
     except ConfigError as e:
         if args.debug:
@@ -370,6 +324,39 @@ def os_error_line(e: OSError) -> str:
     return f"error: {what}: {where}" if where else f"error: {what}"
 
 
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config | None:
+    """The config the verb runs with: the YAML file and overrides, with the verb's own options folded in
+    (demo's --steps/--seed/--out, sample's --k/--pairs); None for a verb that takes none. Usage errors
+    that the job itself would only meet later come here, before anything loads."""
+    if args.command == "serve" and args.overrides:
+        parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
+    if args.command == "generate":
+        if args.n < 1 or args.max_batch < 1:
+            parser.error("--n and --max-batch must be >= 1")
+        if args.n > args.max_batch:   # a prompt's n rows decode together: more would overrun the batch
+            parser.error(f"--n {args.n} is more than --max-batch {args.max_batch}: raise --max-batch")
+        _, dotted = generate.split_overrides(args.overrides)
+        if dotted and not args.score:
+            parser.error(f"{dotted[0]}: config overrides only matter with --score")
+        return load_config(_run_config(args.model, args.config), dotted) if args.score else None
+    if args.command == "demo":
+        out = args.out or next((o.split("=", 1)[1] for o in reversed(args.overrides)
+                                if o.startswith("train.output_dir=")), DEMO_DIR)
+        overrides = list(args.overrides) + [f"train.seed={args.seed}", f"train.output_dir={out}"]
+        if args.steps is not None:
+            overrides.append(f"train.max_steps={args.steps}")
+        return load_config(args.config, overrides)
+    if args.command in ("train", "sft", "dpo", "rm", "distill"):
+        return load_config(*_config_and_overrides(args))
+    if args.command == "sample":
+        overrides = list(args.overrides) + ([f"sample.k={args.k}"] if args.k is not None else []) + \
+            (["sample.pairs=true"] if args.pairs else [])
+        return load_config(_run_config(args.checkpoint, args.config), overrides)
+    if args.command == "eval":
+        return load_config(_run_config(args.checkpoint, args.config), args.overrides)
+    return None   # pipeline (a config per stage), serve, report, export, tiny-model
+
+
 def _run_config(checkpoint: str, config: str | None) -> str | None:
     """The config for a job on a checkpoint: --config when given, else the config.yaml of the run the
     checkpoint belongs to (RUN_DIR/checkpoints/step_N), else None (the defaults)."""
@@ -395,7 +382,7 @@ def _config_problem(args, nproc: int) -> str | None:
             cfg = load_config(args.config, list(args.overrides) + steps)
     except ConfigError as e:
         return str(e)
-    return _distributed().check_world(_distributed().World(rank=0, size=nproc, local_rank=0, local_size=nproc),
+    return distributed.check_world(distributed.World(rank=0, size=nproc, local_rank=0, local_size=nproc),
                                    cfg.rollout.prompts_per_step)
 
 
@@ -416,7 +403,6 @@ def _lost_a_rank(e: RuntimeError) -> bool:
     """A collective broken because another rank died or failed (under several ranks)."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
-    import torch.distributed
     return isinstance(e, torch.distributed.DistError) or any(
         s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL"))
 

@@ -10,9 +10,9 @@ from grpolab.algorithms.aggregate import AGG_MODES, aggregate
 from grpolab.algorithms.estimators import ADV_ESTIMATORS, compute_advantages
 from grpolab.algorithms.kl import KL_ESTIMATORS, apply_kl_in_reward, kl_penalty
 from grpolab.algorithms.losses import POLICY_LOSSES, compute_policy_loss
-from grpolab.algorithms.presets import PRESET_KEYS, PRESETS, apply_preset
 from grpolab.algorithms.ref_sync import ref_sync
 from grpolab.algorithms.shaping import dynamic_sampling_keep, overlong_penalty
+from grpolab.config.presets import PRESET_KEYS, PRESETS, apply_preset
 
 
 def test_grpo_advantages_match_plain_zscore():

@@ -17,16 +17,16 @@ from test_grpo import TINY
 
 from grpolab.config.load import load_config
 from grpolab.errors import CheckpointError, ConfigError
-from grpolab.jobs.common import write_run_config
 from grpolab.models import GPT, GPTConfig
 from grpolab.models.checkpoint import (
-    cut_logs,
-    find_resume_checkpoint,
     load_model,
     load_training_state,
     verify_checkpoint,
 )
+from grpolab.train.resume_checkpoint import find_resume_checkpoint
 from grpolab.train.resume_rules import unsafe_changes
+from grpolab.train.run import Run
+from grpolab.train.run_logs import cut_logs
 
 ARGS = ["train", *TINY, "reward.functions=[length]", "train.save_every=1", "train.keep_checkpoints=0"]
 
@@ -273,7 +273,7 @@ def test_resume_with_a_changed_config_is_refused_listing_the_keys(base, tmp_path
     keys = sorted(c.split("=")[0] for c in change)
     with pytest.raises(ConfigError, match=r"train\.resume: .*step_3 was written with a different config; .*"
                                           + r".*".join(k.replace(".", r"\.") for k in keys)):
-        write_run_config(cfg, run)
+        Run(cfg).start()
     assert (run / "config.yaml").read_text() == before   # a refused resume leaves config.yaml as it was
 
 

@@ -20,8 +20,8 @@ import pytest
 from grpolab.config.load import load_config
 from grpolab.data.tasks import pyfunc
 from grpolab.errors import ConfigError
-from grpolab.rewards import code as code_reward
 from grpolab.rewards.code import code_exec, extract_program, prompt_code, stdio_cases
+from grpolab.rewards.runtime import RewardRuntime
 from grpolab.sandbox import SandboxError
 from grpolab.sandbox.runner import _verdicts
 
@@ -115,19 +115,17 @@ def test_a_machine_that_cannot_isolate_gets_one_line_with_the_fix():
 
 
 def test_unsafe_mode_warns_on_every_run_and_still_judges(capsys):
-    from grpolab.config import CodeExecConfig
-    s = code_reward.SETTINGS
-    saved = (s.limits, s.max_concurrent, s.unsafe)
-    try:
-        for _ in range(2):
-            code_reward.configure(CodeExecConfig(unsafe_no_sandbox=True, timeout=3.0))
-            assert "WITHOUT isolation" in capsys.readouterr().err
-        test = "def check(candidate):\n    assert candidate(2) == 4\n"
-        got = code_exec(prompts=None, completions=["def f(x):\n    return x * 2\n", "def f(x):\n    return x\n",
-                                                   "import os\nos._exit(0)\n"], test=test, entry_point="f")
-        assert got == [1.0, 0.0, 0.0]
-    finally:
-        s.limits, s.max_concurrent, s.unsafe = saved
+    from grpolab.config import CodeExecConfig, RewardConfig
+    for _ in range(2):
+        runtime = RewardRuntime.from_config(RewardConfig(code_exec=CodeExecConfig(unsafe_no_sandbox=True,
+                                                                                  timeout=3.0)))
+        runtime.check()
+        assert "WITHOUT isolation" in capsys.readouterr().err
+    test = "def check(candidate):\n    assert candidate(2) == 4\n"
+    got = code_exec(prompts=None, completions=["def f(x):\n    return x * 2\n", "def f(x):\n    return x\n",
+                                               "import os\nos._exit(0)\n"], test=test, entry_point="f",
+                    runtime=runtime)
+    assert got == [1.0, 0.0, 0.0]
 
 
 CTRL_C = """
@@ -195,7 +193,7 @@ def _sandboxes(tag: str) -> list[int]:
 
 # ---------------------------------------------------------------- GRPO on the code task
 def _code_run(out: Path) -> tuple[dict, list[dict]]:
-    from grpolab.jobs.train import run as run_train
+    from grpolab.jobs.train import run_train
     cfg = load_config(ROOT / "configs" / "code_demo.yaml", [
         "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "sft.steps=20", "sft.bare_steps=5",
         "data.train_size=200", "data.test_size=6", "rollout.prompts_per_step=4", "rollout.num_generations=2",

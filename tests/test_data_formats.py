@@ -278,7 +278,7 @@ SFT_FILES = {   # name -> (file name, rows as written, the rows grpolab trains o
 def test_sft_trains_from(fmt, tmp_path):
     """Each step's batch is every row, so its `tokens` metric is the learned tokens of all of them, counted
     here from the rows by hand: the whole text, or every assistant turn (history and tool calls included)."""
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     name, rows, trained = SFT_FILES[fmt]
     f = tmp_path / name
     if rows is None:
@@ -300,8 +300,8 @@ PAIR_FILES = {"alpaca": ALPACA_PAIRS, "sharegpt": SHAREGPT_PAIRS, "trl_implicit"
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(PAIR_FILES))
 def test_dpo_and_rm_train_from(fmt, tmp_path):
-    from grpolab.jobs.dpo import run as run_dpo
-    from grpolab.jobs.rm import run as run_rm
+    from grpolab.jobs.dpo import run_dpo
+    from grpolab.jobs.rm import run_rm
     f = _write(tmp_path / "pairs.json", PAIR_FILES[fmt])
     run_dpo(load_config(None, [*TINY, f"dpo.pairs={f}", "dpo.steps=2", "dpo.batch_size=2",
                                f"train.output_dir={tmp_path / 'dpo'}"]))
@@ -316,7 +316,7 @@ def test_dpo_and_rm_train_from(fmt, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["alpaca", "sharegpt", "dotted"])
 def test_grpo_trains_on_prompts_from(fmt, tmp_path):
-    from grpolab.jobs.train import run as run_train
+    from grpolab.jobs.train import run_train
     rows = {"alpaca": ALPACA, "sharegpt": SHAREGPT,
             "dotted": [{"extra_info": {"question": r["instruction"], "answer": r["output"]}} for r in ALPACA]}[fmt]
     f = _write(tmp_path / "prompts.jsonl", rows)
@@ -342,7 +342,7 @@ def test_grpo_trains_on_prompts_from(fmt, tmp_path):
 def test_sft_on_nested_files_task_rows_trains_and_evaluates_accuracy(tmp_path):
     """verl's SFT recipe: data.prompt_key=extra_info.question, data.response_key=extra_info.answer; the
     same dotted keys find the test file's prompts and answers (accuracy) and its completions (held-out loss)."""
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     rows = [{"extra_info": {"question": f"{a} plus {b}?", "answer": str(a + b)}} for a in range(4) for b in range(2)]
     f = _write(tmp_path / "train.jsonl", rows)
     summary = run_sft(load_config(None, [*TINY, "data.task=files", f"data.train_path={f}", f"data.test_path={f}",

@@ -118,15 +118,14 @@ def test_fsdp_on_the_builtin_gpt_equals_one_process(tmp_path):
 
 def _train_here(*overrides):
     """`grpolab train OVERRIDES` in this process, as the CLI builds it (without the final eval)."""
-    from pathlib import Path
-
     from grpolab.config.load import load_config
     from grpolab.jobs.common import setup_torch
     from grpolab.jobs.train import build_trainer
     from grpolab.monitor.console import Console
+    from grpolab.train.run import Run
     cfg = load_config(None, list(overrides))
     setup_torch(cfg)
-    build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()
+    build_trainer(cfg, Run(cfg, "grpo"), Console(quiet=True)).train()
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def test_builtin_gpt_exports_as_an_hf_model_with_the_same_logits(tmp_path, lora)
     """A trained built-in GPT (LoRA adapters merged in when it has them) becomes an Arcee-architecture
     HF model plus a character tokenizer with the same ids and chat format. The LoRA case goes
     through the CLI and is loaded by a Python that never imports grpolab."""
-    from grpolab.jobs.export import run as export
+    from grpolab.jobs.export import run_export as export
     tr = make_trainer(tmp_path / "run", "train.max_steps=2", "reward.functions=[length]", "optim.lr=1e-2",
                       *(["model.lora_rank=4"] if lora else []))
     tr.train()
@@ -86,7 +86,7 @@ def test_exports_of_hf_checkpoints(tmp_path):
     """A LoRA checkpoint of an HF model: --merge gives a standalone model with its logits; without,
     peft's adapter directory. A full checkpoint exports in bfloat16. A non-empty target is refused."""
     from grpolab.errors import ExportError
-    from grpolab.jobs.export import run as export
+    from grpolab.jobs.export import run_export as export
     from grpolab.models.tiny_hf import save_tiny_model
     base = save_tiny_model(tmp_path / "base", vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
     for name, extra in (("lora", ["model.lora_rank=4"]), ("full", [])):

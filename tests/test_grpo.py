@@ -11,6 +11,7 @@ from grpolab.jobs.inputs import load_data, load_policy
 from grpolab.jobs.train import build_trainer
 from grpolab.monitor.console import Console
 from grpolab.train.grpo import GRPOTrainer
+from grpolab.train.run import Run
 from grpolab.train.schedule import lr_factor
 
 # An easy setting: two-operation problems over small numbers, a small model, a short warm start.
@@ -27,10 +28,9 @@ TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_siz
 
 def make_trainer(out, *overrides, base=TINY):
     """A trainer built as `grpolab train` builds it (data, warm-started policy, prompt filter), in process."""
-    from pathlib import Path
     cfg = load_config(None, base + [f"train.output_dir={out}", *overrides])
     setup_torch(cfg)
-    return build_trainer(cfg, Path(out), Console(quiet=True))
+    return build_trainer(cfg, Run(cfg, GRPOTrainer.job), Console(quiet=True))
 
 
 def _strip_timing(path):

@@ -257,7 +257,7 @@ def test_grpo_with_a_judge_resumes_from_its_cache_stops_at_a_dead_server_and_nev
         judge_ckpt, tmp_path, key, capfd):
     import shutil
 
-    from grpolab.jobs.train import run as run_train
+    from grpolab.jobs.train import run_train
     with running_server(judge_ckpt, "--name", "judge") as (url, proc):
         over = [f"reward.judges.t.{k}={json.dumps(v)}" for k, v in {**JUDGE, "base_url": url + "/v1",
                                                                    "max_retries": 1, "backoff": 0.05}.items()]

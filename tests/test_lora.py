@@ -3,7 +3,6 @@ checkpoints are peft's adapter layout (HF) and resume exactly."""
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,9 +86,10 @@ def _train_in_process(*overrides):
     from grpolab.jobs.common import setup_torch
     from grpolab.jobs.train import build_trainer
     from grpolab.monitor.console import Console
+    from grpolab.train.run import Run
     cfg = load_config(str(ROOT / "configs" / "gsm8k_tiny_hf.yaml"), list(overrides))
     setup_torch(cfg)
-    build_trainer(cfg, Path(cfg.train.output_dir), Console(quiet=True)).train()
+    build_trainer(cfg, Run(cfg, "grpo"), Console(quiet=True)).train()
 
 
 @pytest.mark.slow

@@ -117,15 +117,14 @@ def parity_len(prompts, completions, **_):
 
 
 def _train(out, args):
-    from pathlib import Path
-
     from grpolab.config.load import load_config
     from grpolab.jobs.common import setup_torch
     from grpolab.jobs.train import build_trainer
     from grpolab.monitor.console import Console
+    from grpolab.train.run import Run
     cfg = load_config(None, TINY + [f"train.output_dir={out}", *args])
     setup_torch(cfg)
-    trainer = build_trainer(cfg, Path(out), Console(quiet=True))
+    trainer = build_trainer(cfg, Run(cfg, "grpo"), Console(quiet=True))
     trainer.train()
     return trainer
 

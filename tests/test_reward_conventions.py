@@ -15,7 +15,8 @@ from test_grpo import TINY, make_trainer
 
 from grpolab.errors import RewardError
 from grpolab.rewards import get_reward, reward_names
-from grpolab.rewards.combine import RewardLog, TrainerState, check_signatures, score
+from grpolab.rewards.calling import RewardLog, TrainerState
+from grpolab.rewards.combine import check_signatures, score
 
 trl_rewards = pytest.importorskip("trl.rewards")
 

@@ -19,7 +19,9 @@ from test_grpo import TINY
 from grpolab.config import RewardConfig
 from grpolab.errors import RewardError
 from grpolab.rewards import combine
-from grpolab.rewards.combine import TrainerState, check_signatures, score
+from grpolab.rewards.calling import TrainerState
+from grpolab.rewards.combine import check_signatures, score
+from grpolab.rewards.runtime import RewardRuntime
 from grpolab.rollout.tools import ToolRunner, load_tools
 
 QUICK = TINY + ["sft.steps=0", "train.max_steps=2"]
@@ -207,28 +209,27 @@ def test_the_timeout_changes_no_value_and_keeps_signal_timeouts_working(faults, 
     assert not [t for t in threading.enumerate() if t.name == "grpolab-reward-timeout"]
 
 
-def test_configure_sets_the_default_timeout(faults, monkeypatch):
+def test_the_runtime_sets_the_timeout(faults):
     path, _ = faults
-    assert combine._TIMEOUT == RewardConfig().timeout == 300.0
-    monkeypatch.setattr(combine, "_TIMEOUT", combine._TIMEOUT)   # restored after the test
-    combine.configure(RewardConfig(timeout=0.5))
+    assert RewardRuntime().timeout == RewardConfig().timeout == 300.0
+    runtime = RewardRuntime.from_config(RewardConfig(timeout=0.5))
     with pytest.raises(RewardError, match=r"within reward.timeout = 0.5 s"):
-        score([f"{path}:sleeps"], None, ["q"], ["a"], {})
+        score([f"{path}:sleeps"], None, ["q"], ["a"], {}, runtime=runtime)
 
 
-def test_code_exec_may_take_what_its_sandboxes_take(faults, monkeypatch):
+def test_code_exec_may_take_what_its_sandboxes_take(faults):
     """Programs that all loop forever are killed one by one at reward.code_exec.timeout: they score 0,
     they must not trip reward.timeout and stop the run."""
     from grpolab.rewards import code
     from grpolab.sandbox import Limits
     path, mod = faults
-    monkeypatch.setattr(code.SETTINGS, "limits", Limits(timeout=10.0))
-    monkeypatch.setattr(code.SETTINGS, "max_concurrent", 2)
+    runtime = RewardRuntime(timeout=300.0, limits=Limits(timeout=10.0), max_concurrent=2)
     # 256 programs, 2 at a time, up to 10 s each: 128 rounds of 10 s, the runner's own 10 s, 10 s to spare
-    assert combine._limit(code.code_exec, 256, 300.0) == 128 * 10 + 10 + 10
-    assert combine._limit(code.code_exec, 8, 300.0) == 300.0
-    assert combine._limit(code.code_exec, 256, 0.0) == 0.0
-    assert combine._limit(mod.sleeps, 256, 300.0) == 300.0
+    assert combine._limit(code.code_exec, 256, runtime) == 128 * 10 + 10 + 10
+    assert combine._limit(code.code_exec, 8, runtime) == 300.0
+    assert combine._limit(code.code_exec, 256, RewardRuntime(timeout=0.0, limits=Limits(timeout=10.0),
+                                                             max_concurrent=2)) == 0.0
+    assert combine._limit(mod.sleeps, 256, runtime) == 300.0
 
 
 # ---- item 3: every function gets its own inputs --------------------------------------------------------

@@ -278,7 +278,7 @@ def test_a_report_of_unflagged_evals_has_the_table_but_no_warning(tmp_path):
 def test_continuing_a_finished_run_drops_the_final_evals_flag_with_it(tmp_path):
     """A finished run continued further: its last row loses the final eval (an unbroken run has none there), and
     the watch's keys logged with that eval, so the continued run's rows equal an unbroken one's."""
-    from grpolab.models.checkpoint import drop_final_eval
+    from grpolab.train.run_logs import drop_final_eval
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2, "eval/greedy_accuracy": 0.3, FLAG_KEY: 0,
                                          STDERR_KEY: 0.05}]

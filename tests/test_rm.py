@@ -62,7 +62,7 @@ def _lines(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def builtin_rm(tmp_path_factory):
-    from grpolab.jobs.rm import run as run_rm
+    from grpolab.jobs.rm import run_rm
     d = tmp_path_factory.mktemp("rm")
     pairs = _write(d / "pairs.jsonl", _pairs(80, 0))
     out = d / "run"
@@ -102,7 +102,7 @@ def test_builtin_reward_model_learns_the_heldout_preference_and_rm_scores_like_a
 
 
 def test_reward_model_resume_matches_the_uninterrupted_run(builtin_rm, tmp_path):
-    from grpolab.jobs.rm import run as run_rm
+    from grpolab.jobs.rm import run_rm
     out, pairs, _ = builtin_rm
     run_rm(load_config(None, [*TINY, f"rm.pairs={pairs}", "rm.steps=30", f"train.output_dir={tmp_path}",
                               f"train.resume={out / 'checkpoints' / 'step_15'}"]))
@@ -125,7 +125,7 @@ def test_rm_of_a_policy_checkpoint_is_refused_in_one_line(tmp_path):
 def test_hf_lora_reward_model_saves_a_plain_classifier_and_resumes_exactly(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from grpolab.jobs.rm import run as run_rm
+    from grpolab.jobs.rm import run_rm
     from grpolab.models.tiny_hf import save_tiny_model
     pairs = _pairs(64, 1)
     base = save_tiny_model(tmp_path / "llama", [p["prompt"] + p["chosen"] + p["rejected"] for p in pairs],
@@ -179,7 +179,7 @@ def test_a_missing_starting_model_is_one_line(tmp_path, capsys):
 
 
 def test_builtin_lora_reward_model_trains_adapters_and_head_only(tmp_path):
-    from grpolab.jobs.rm import run as run_rm
+    from grpolab.jobs.rm import run_rm
     from grpolab.models import GPT, CharTokenizer, GPTConfig
     from grpolab.models.checkpoint import save_checkpoint
     tok = CharTokenizer()
@@ -207,7 +207,7 @@ def test_a_dpo_checkpoint_scores_as_its_implicit_reward(tmp_path):
     token, recomputed here from the two models' logits."""
     from safetensors.torch import load_model as load_weights
 
-    from grpolab.jobs.dpo import run as run_dpo
+    from grpolab.jobs.dpo import run_dpo
     from grpolab.models import CharTokenizer
     from grpolab.models.checkpoint import load_model
     pairs = _write(tmp_path / "pairs.jsonl", _pairs(32, 4))

@@ -39,11 +39,14 @@ from pathlib import Path
 import pytest
 
 from grpolab.config.load import load_config
-from grpolab.jobs.common import setup_torch, write_run_config
+from grpolab.jobs.common import setup_torch
+from grpolab.jobs.inputs import configure_rewards
 from grpolab.jobs.train import build_trainer
 from grpolab.monitor.console import Console
-from grpolab.rewards import code as code_reward
+from grpolab.rewards.code import code_exec
+from grpolab.rewards.runtime import RewardRuntime
 from grpolab.sandbox import Limits, run_program
+from grpolab.train.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]          # the project dir
 HOME = Path.home()
@@ -361,11 +364,13 @@ assert len(set(NAMES)) == len(NAMES)
 REWARD_FILE = '''
 import json, time
 from grpolab.rewards import code
+from grpolab.rewards.runtime import RewardRuntime
 
 
-def adversarial(prompts, completions, program, **kw):
+def adversarial(prompts, completions, program, runtime=None, **kw):
     """The real code_exec reward, on the row's program instead of the sampled completion (in a
-    ```python fence, as a chat model writes it: a text prompt is not taken for code to continue).
+    ```python fence, as a chat model writes it: a text prompt is not taken for code to continue),
+    in the run's sandbox (`runtime`, which grpolab passes to a reward that names it).
     Logs what it returned, the limits it ran under and each program's verdict (the sandbox's own
     verdicts, passed through unchanged) to LOG."""
     verdicts, real = [], code.run_programs
@@ -376,13 +381,14 @@ def adversarial(prompts, completions, program, **kw):
     t0 = time.perf_counter()
     code.run_programs = recording
     try:
-        out = code.code_exec(prompts, ["```python\\n" + p + "```" for p in program], **kw)
+        out = code.code_exec(prompts, ["```python\\n" + p + "```" for p in program], runtime=runtime, **kw)
     finally:
         code.run_programs = real
-    s = code.SETTINGS
+    s = runtime if runtime is not None else RewardRuntime()
     with open(LOG, "a") as log:
         log.write(json.dumps({"seconds": time.perf_counter() - t0, "timeout": s.limits.timeout,
-                              "memory_mb": s.limits.memory_mb, "max_concurrent": s.max_concurrent,
+                              "memory_mb": s.limits.memory_mb, "max_procs": s.limits.max_procs,
+                              "max_output": s.limits.max_output, "max_concurrent": s.max_concurrent,
                               "unsafe": s.unsafe, "names": kw["name"], "rewards": out,
                               "verdicts": [[v.status, v.detail] for v in verdicts]}) + "\\n")
     return out
@@ -513,7 +519,6 @@ def step(tmp_path_factory):
         p.write_bytes(data)
     watched = [*sentinels, *(Path(ctx[k]) for k in ("home_file", "project_file", "tmp_file", "daemon_file"))]
     before = file_state(watched)
-    saved_settings = (code_reward.SETTINGS.limits, code_reward.SETTINGS.max_concurrent, code_reward.SETTINGS.unsafe)
     saved_tag = os.environ.get(TAG_ENV)
     try:
         data = tmp / "adversarial.jsonl"
@@ -521,9 +526,6 @@ def step(tmp_path_factory):
         log = tmp / "reward_calls.jsonl"
         reward = tmp / "adversarial_reward.py"
         reward.write_text(f"LOG = {str(log)!r}\n" + REWARD_FILE)
-        # a fresh process's settings: whatever another test configured must not count as the trainer's doing
-        s = code_reward.SETTINGS
-        s.limits, s.max_concurrent, s.unsafe = Limits(), 0, False
         cfg = load_config(None, [
             "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=128", "sft.steps=0",
             "data.task=files", f"data.train_path={data}", f"data.test_path={data}", "data.train_size=0",
@@ -532,14 +534,11 @@ def step(tmp_path_factory):
             f"reward.functions=[{reward}:adversarial]", f"reward.code_exec.timeout={TIMEOUT}",
             f"reward.code_exec.max_concurrent={MAX_CONCURRENT}"])
         setup_torch(cfg)
-        write_run_config(cfg, run_dir)   # as `grpolab train` does: the run dir holds config.yaml
-        trainer = build_trainer(cfg, run_dir, Console(quiet=True))
-        want = (Limits(timeout=cfg.reward.code_exec.timeout, memory_mb=cfg.reward.code_exec.memory_mb,
-                       max_procs=cfg.reward.code_exec.max_procs, max_output=cfg.reward.code_exec.max_output),
-                cfg.reward.code_exec.max_concurrent)
-        configured_by_trainer = (code_reward.SETTINGS.limits, code_reward.SETTINGS.max_concurrent) == want
-        if not configured_by_trainer:   # see test_the_trainer_applies_reward_code_exec_to_a_user_reward_...
-            code_reward.configure(cfg.reward.code_exec)
+        run = Run(cfg, "grpo")
+        run.start()   # as `grpolab train` does: the run dir holds config.yaml
+        trainer = build_trainer(cfg, run, Console(quiet=True))
+        c = cfg.reward.code_exec
+        want = (c.timeout, c.memory_mb, c.max_procs, c.max_output, c.max_concurrent)
         os.environ[TAG_ENV] = tag   # the sandboxes started from here on carry it (see survivors)
         t0 = time.perf_counter()
         error = None
@@ -556,9 +555,13 @@ def step(tmp_path_factory):
             time.sleep(0.2)
             left = survivors(tag, ctx["marker"])
         _restore_env(saved_tag)
+        calls = [json.loads(x) for x in log.open()] if log.exists() else []
+        # the limits the user reward's code_exec calls ran under: the trainer's runtime, passed to it
+        configured_by_trainer = bool(calls) and all(
+            (x["timeout"], x["memory_mb"], x["max_procs"], x["max_output"], x["max_concurrent"]) == want for x in calls)
         yield {"trainer": trainer, "history": history, "error": error, "wall": wall, "cfg": cfg,
-               "configured_by_trainer": configured_by_trainer, "calls": [json.loads(x) for x in log.open()]
-               if log.exists() else [], "survivors_at_end": left_now, "survivors": left,
+               "configured_by_trainer": configured_by_trainer, "calls": calls, "survivors_at_end": left_now,
+               "survivors": left,
                "connections": connections(listener), "before": before, "after": file_state(watched),
                "sentinels": {str(p): d for p, d in sentinels.items()}, "tagged_files": tagged_files(tag),
                "expected_files": sorted(str(p) for p in sentinels), "run_dir": run_dir, "tag": tag, "ctx": ctx,
@@ -569,7 +572,6 @@ def step(tmp_path_factory):
             p.unlink(missing_ok=True)
         for f in tagged_files(tag):   # should be none: the tests report them
             Path(f).unlink(missing_ok=True)
-        code_reward.SETTINGS.limits, code_reward.SETTINGS.max_concurrent, code_reward.SETTINGS.unsafe = saved_settings
         _restore_env(saved_tag)
 
 
@@ -654,23 +656,18 @@ def test_nothing_connected_to_the_host_listener(step):
     assert step["connections"] == []
 
 
-def test_build_trainer_applies_reward_code_exec_when_code_exec_is_listed(step, tmp_path):
-    """The wiring the step above relies on when the built-in name is listed (pipeline.configure_rewards)."""
-    s = code_reward.SETTINGS
-    saved = (s.limits, s.max_concurrent, s.unsafe)
-    s.limits, s.max_concurrent, s.unsafe = Limits(), 0, False
-    try:
-        cfg = load_config(None, [
-            "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=128", "sft.steps=0",
-            "data.task=files", f"data.train_path={step['data']}", f"data.test_path={step['data']}",
-            "rollout.num_generations=2", "rollout.max_new_tokens=4", f"train.output_dir={tmp_path}",
-            "reward.functions=[code_exec]", "reward.code_exec.timeout=3.5", "reward.code_exec.max_concurrent=3",
-            "reward.code_exec.memory_mb=300", "reward.code_exec.max_procs=7", "reward.code_exec.max_output=999"])
-        build_trainer(cfg, tmp_path, Console(quiet=True))
-        assert (s.limits, s.max_concurrent, s.unsafe) == (
-            Limits(timeout=3.5, memory_mb=300, max_procs=7, max_output=999), 3, False)
-    finally:
-        s.limits, s.max_concurrent, s.unsafe = saved
+def test_configure_rewards_applies_reward_code_exec_when_code_exec_is_listed(step, tmp_path):
+    """The wiring the step above relies on when the built-in name is listed (jobs/inputs.configure_rewards,
+    which build_trainer calls: the runtime it returns is the one the trainer's score() calls pass)."""
+    cfg = load_config(None, [
+        "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=128", "sft.steps=0",
+        "data.task=files", f"data.train_path={step['data']}", f"data.test_path={step['data']}",
+        "rollout.num_generations=2", "rollout.max_new_tokens=4", f"train.output_dir={tmp_path}",
+        "reward.functions=[code_exec]", "reward.code_exec.timeout=3.5", "reward.code_exec.max_concurrent=3",
+        "reward.code_exec.memory_mb=300", "reward.code_exec.max_procs=7", "reward.code_exec.max_output=999"])
+    runtime = configure_rewards(cfg, Console(quiet=True))
+    assert (runtime.limits, runtime.max_concurrent, runtime.unsafe) == (
+        Limits(timeout=3.5, memory_mb=300, max_procs=7, max_output=999), 3, False)
 
 
 def test_the_trainer_applies_reward_code_exec_to_a_user_reward_calling_code_exec(step):
@@ -685,13 +682,8 @@ STDIO_CASES = [{"input": "1", "output": "2"}]
 
 
 def _code_exec_in_one_sandbox(programs):
-    s = code_reward.SETTINGS
-    saved = (s.limits, s.max_concurrent, s.unsafe)
-    s.limits, s.max_concurrent, s.unsafe = Limits(timeout=TIMEOUT), 1, False
-    try:
-        return code_reward.code_exec(None, programs, test_cases=[STDIO_CASES] * len(programs))
-    finally:
-        s.limits, s.max_concurrent, s.unsafe = saved
+    return code_exec(None, programs, test_cases=[STDIO_CASES] * len(programs),
+                     runtime=RewardRuntime(limits=Limits(timeout=TIMEOUT), max_concurrent=1))
 
 
 def test_no_hole_deep_workdir_zeroes_the_rest_of_the_batch():
@@ -734,19 +726,17 @@ def test_no_hole_a_64mib_reply_bloats_the_judge_and_zeroes_the_next_program():
                             peak[0] = max(peak[0], int(line.split()[1]) >> 10)
             time.sleep(0.05)
 
-    s = code_reward.SETTINGS
-    saved = (s.limits, s.max_concurrent, s.unsafe, os.environ.get(TAG_ENV))
-    s.limits, s.max_concurrent, s.unsafe = Limits(timeout=1.0), 1, False
+    saved_tag = os.environ.get(TAG_ENV)
     os.environ[TAG_ENV] = tag
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        got = code_reward.code_exec(None, [DECODE_BOMB, "def f():\n    return 1\n"], test=RETURNS_ONE, entry_point="f")
+        got = code_exec(None, [DECODE_BOMB, "def f():\n    return 1\n"], test=RETURNS_ONE, entry_point="f",
+                        runtime=RewardRuntime(limits=Limits(timeout=1.0), max_concurrent=1))
     finally:
         done.set()
         watcher.join()
-        s.limits, s.max_concurrent, s.unsafe = saved[:3]
-        _restore_env(saved[3])
+        _restore_env(saved_tag)
     assert peak[0] > 0   # the watcher saw the sandbox
     assert got == [0.0, 1.0] and peak[0] < 1024, (got, f"judge peak RSS {peak[0]} MiB")
 

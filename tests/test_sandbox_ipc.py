@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from grpolab.rewards import code as code_reward
+from grpolab.rewards.code import code_exec
+from grpolab.rewards.runtime import RewardRuntime
 from grpolab.sandbox import Limits, run_batch, run_program
 from grpolab.sandbox.isolate import ipc_ceilings
 
@@ -110,14 +111,10 @@ def test_sysv_shm_bomb_stays_within_shm_mb_on_the_host():
 def test_the_code_exec_reward_keeps_a_batch_of_shm_bombs_bounded():
     """The issue's reproduction: 8 programs through the code_exec reward, memory_mb=256,
     max_concurrent=1 (one after another, so any segment left behind would add up)."""
-    s = code_reward.SETTINGS
-    saved = (s.limits, s.max_concurrent, s.unsafe)
-    s.limits, s.max_concurrent, s.unsafe = Limits(timeout=5.0, memory_mb=256), 1, False
-    try:
-        with ShmemPeak() as host:
-            got = code_reward.code_exec(None, ["```python\n" + SHM_BOMB + "```"] * 8, test=WANTS_GB, entry_point="f")
-    finally:
-        s.limits, s.max_concurrent, s.unsafe = saved
+    runtime = RewardRuntime(limits=Limits(timeout=5.0, memory_mb=256), max_concurrent=1)
+    with ShmemPeak() as host:
+        got = code_exec(None, ["```python\n" + SHM_BOMB + "```"] * 8, test=WANTS_GB, entry_point="f",
+                        runtime=runtime)
     assert got == [0.0] * 8
     assert host.rise_mb < Limits().shm_mb + SLACK_MB, host.rise_mb   # not 8 x 16 MB: each one's is freed
     assert (host.after - host.before) / 1024 < SLACK_MB

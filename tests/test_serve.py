@@ -288,7 +288,7 @@ def test_held_back_text_waits_for_possible_stop_strings():
 def test_an_export_is_served_as_the_checkpoint_is(ckpt, client, tmp_path):
     """`grpolab export` of the built-in checkpoint (an HF Arcee model: HF's own cache path) answers as the
     checkpoint does, also with requests joining each other."""
-    from grpolab.jobs.export import run as export
+    from grpolab.jobs.export import run_export as export
     out = tmp_path / "export"
     export(str(ckpt), str(out))
     want = [_chat(client, q, temperature=0, max_tokens=20).choices[0].message.content for q in QUESTIONS[:6]]
@@ -317,7 +317,7 @@ def test_a_lora_checkpoint_is_served_merged_and_sliding_windows_are_refused(tmp_
     from peft import LoraConfig, get_peft_model
 
     from grpolab.errors import ConfigError
-    from grpolab.serve.engine import load_engine
+    from grpolab.serve.model_loader import load_engine
     model, tok, _ = _hf_models(tmp_path)
     peft_model = get_peft_model(model.hf, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     peft_model.save_pretrained(str(tmp_path / "adapter"))

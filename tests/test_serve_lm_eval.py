@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ROOT, running_server
 
-from grpolab.jobs.export import run as export
+from grpolab.jobs.export import run_export as export
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.checkpoint import save_checkpoint
 

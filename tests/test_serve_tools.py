@@ -28,7 +28,7 @@ from grpolab.models.tiny_hf import build_tokenizer, save_tiny_model
 from grpolab.rollout.tool_formats import BuiltinFormat, tool_format
 from grpolab.rollout.tools import CallRecord, load_tools
 from grpolab.serve.api import create_app
-from grpolab.serve.engine import load_engine
+from grpolab.serve.model_loader import load_engine
 from grpolab.serve.requests import ChatRequest, Server
 from grpolab.serve.tool_calls import BUILTIN_MARKS, HERMES_MARKS, CallParser, parse_reply
 

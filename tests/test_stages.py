@@ -46,7 +46,7 @@ def _same_weights(a: Path, b: Path) -> bool:
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     """A tiny built-in model after `grpolab sft` (the warm start recipe), every 20 steps checkpointed."""
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     out = tmp_path_factory.mktemp("sft") / "run"
     run_sft(_cfg(out, "sft.steps=40", "sft.batch_size=16", "sft.bare_steps=10", "train.save_every=20",
                  "train.keep_checkpoints=0"))
@@ -73,7 +73,7 @@ def test_sft_job_is_the_demo_warm_start(warm, tmp_path):
 def test_sft_resume_replays_the_mixer_and_matches_the_uninterrupted_run(warm, tmp_path):
     """Resumed from the step-20 checkpoint (the bare-answer mixer starts at step 30 and draws from a
     seeded stream), steps 21-40 and the final weights equal the uninterrupted run's."""
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     run_sft(_cfg(tmp_path, "sft.steps=40", "sft.batch_size=16", "sft.bare_steps=10",
                  f"train.resume={warm / 'checkpoints' / 'step_20'}"))
     assert _lines(tmp_path) == _lines(warm)[20:]
@@ -81,7 +81,7 @@ def test_sft_resume_replays_the_mixer_and_matches_the_uninterrupted_run(warm, tm
 
 
 def test_sft_on_conversations_trains_the_assistant_tokens_only(tmp_path):
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     conv = [{"messages": [{"role": "system", "content": "Solve it."}, {"role": "user", "content": f"{a} + {b}?"},
                           {"role": "assistant", "content": f"#### {a + b}"}]} for a in range(10) for b in range(3)]
     path = tmp_path / "conv.jsonl"
@@ -93,8 +93,8 @@ def test_sft_on_conversations_trains_the_assistant_tokens_only(tmp_path):
 
 
 def test_dpo_trains_on_self_generated_pairs_and_resumes_exactly(warm, tmp_path):
-    from grpolab.jobs.dpo import run as run_dpo
-    from grpolab.jobs.sample import run as run_sample
+    from grpolab.jobs.dpo import run_dpo
+    from grpolab.jobs.sample import run_sample
     ckpt = warm / "checkpoints" / "step_40"
     pairs = tmp_path / "pairs.jsonl"
     stats = run_sample(str(ckpt), _cfg(tmp_path, "reward.functions=[length]", "sample.pairs=true",
@@ -116,7 +116,7 @@ def test_dpo_trains_on_self_generated_pairs_and_resumes_exactly(warm, tmp_path):
 
 
 def test_on_policy_distillation_resumes_exactly(warm, tmp_path):
-    from grpolab.jobs.distill import run as run_distill
+    from grpolab.jobs.distill import run_distill
     over = [f"distill.teacher={warm / 'checkpoints' / 'step_40'}", "distill.mode=on_policy", "distill.steps=4",
             "distill.batch_size=8", "train.save_every=2", "train.keep_checkpoints=0"]
     run_distill(_cfg(tmp_path / "a", *over))
@@ -127,7 +127,7 @@ def test_on_policy_distillation_resumes_exactly(warm, tmp_path):
 
 
 def test_logit_distillation_lowers_the_kl_to_the_teacher(warm, tmp_path):
-    from grpolab.jobs.distill import run as run_distill
+    from grpolab.jobs.distill import run_distill
     run_distill(_cfg(tmp_path, f"distill.teacher={warm / 'checkpoints' / 'step_40'}", "distill.steps=30",
                      "distill.batch_size=16", "model.n_embd=16"))
     kl = [r["kl"] for r in _lines(tmp_path)]
@@ -255,7 +255,7 @@ def test_r1_pipeline_killed_in_its_third_stage_resumes_to_the_same_result(tmp_pa
 def test_sft_on_a_files_task_evaluates_accuracy_without_a_heldout_loss(tmp_path):
     """data.task=files: SFT rows from data.train_path (prompt/completion); the test file has prompts and
     answers but no completions, so accuracy is evaluated and there is no held-out loss."""
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     train = [{"prompt": f"{a} plus {b}?", "completion": f"{a}+{b}={a + b}\n#### {a + b}", "answer": str(a + b)}
              for a in range(12) for b in range(5)]
     test = [{"prompt": f"{a} plus {b}?", "answer": str(a + b)} for a, b in [(20, 1), (3, 30), (7, 7)]]
@@ -282,7 +282,7 @@ def test_rlhf_pipeline_trains_a_reward_model_and_rl_uses_it_from_the_policy_befo
     model is never right): sft -> sample pairs -> rm -> grpo with reward 'rm:'. The rm stage starts
     from the SFT model and trains on the sampled pairs; GRPO starts from the SFT model, not the reward
     model, and is rewarded by the rm stage's final checkpoint alone."""
-    from grpolab.jobs.pipeline import run as run_pipeline
+    from grpolab.jobs.pipeline import run_pipeline
     shipped = yaml.safe_load((ROOT / "configs" / "rlhf_pipeline.yaml").read_text())
     assert [s["job"] for s in shipped["stages"]] == ["sft", "sample", "rm", "train"]
     assert shipped["stages"][3]["reward"] == {"functions": ["rm:"]}

@@ -11,7 +11,8 @@ import torch
 from test_grpo import make_trainer
 
 from grpolab.errors import CheckpointError
-from grpolab.models.checkpoint import _install, _stage, find_resume_checkpoint, list_checkpoints, load_training_state
+from grpolab.models.checkpoint import _install, _stage, list_checkpoints, load_training_state
+from grpolab.train.resume_checkpoint import find_resume_checkpoint
 
 
 def _weights(model):

@@ -148,7 +148,7 @@ def test_a_grpo_step_that_overflows_float16_weights_is_undone_counted_and_never_
 
 
 def test_an_offline_step_that_overflows_float16_weights_is_undone(tmp_path):
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     from grpolab.models.tiny_hf import save_tiny_model
     from grpolab.monitor.console import Console
     base = save_tiny_model(tmp_path / "llama", vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
@@ -182,7 +182,7 @@ def test_by_default_an_overflowing_update_stops_the_run_in_one_line_and_keeps_th
 
 
 def test_an_offline_job_refuses_an_eval_batch_beyond_the_memory_before_training(tmp_path):
-    from grpolab.jobs.sft import run as run_sft
+    from grpolab.jobs.sft import run_sft
     from grpolab.monitor.console import Console
     cfg = load_config(None, [*TINY, "sft.steps=3", "eval.k=100000000", f"train.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"eval\.k=100000000.*needs at least .* available"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_grpo import EASY, make_trainer
 
-from grpolab.algorithms.presets import PRESETS
 from grpolab.config.load import load_config
+from grpolab.config.presets import PRESETS
 from grpolab.errors import ConfigError
 from grpolab.jobs.common import setup_torch
 from grpolab.jobs.inputs import load_data, load_policy

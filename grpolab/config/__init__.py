@@ -1,10 +1,10 @@
 """Run configuration: schema.py (the sections, every key with its type, default and help),
-load.py (YAML and overrides -> Config), validate.py (the checks of every value).
+load.py (YAML and overrides -> Config), validate.py (the checks of every value), names.py (the
+registry names validate checks against), presets.py (the algorithm presets), reward_spec.py (a custom
+reward spec's call). Plain data at the bottom of the layers: nothing here imports torch.
 
-Only the schema is re-exported here: validate.py imports the reward and algorithm registries, and
-the rewards import RewardConfig from here, so re-exporting load or validate would make importing
-this package import the rewards, which import this package. Import load_config, parse_override,
-read_yaml, check_output_dir from grpolab.config.load and validate from grpolab.config.validate.
+Only the schema is re-exported here. Import load_config, parse_override, read_yaml, check_output_dir
+from grpolab.config.load and validate from grpolab.config.validate.
 """
 
 from .schema import (

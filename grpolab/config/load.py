@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from ..algorithms.presets import PRESETS
 from ..errors import ConfigError
+from .presets import PRESETS
 from .schema import Config, JudgeConfig
 from .validate import eval_check, need, short, validate
 

@@ -13,12 +13,19 @@ import re
 import string
 from typing import Any
 
-from ..algorithms.advantages import ADV_ESTIMATORS, TOKEN_ESTIMATORS
-from ..algorithms.aggregate import AGG_MODES
-from ..algorithms.losses import DISTILL_KL, DPO_LOSSES, POLICY_LOSSES
 from ..errors import ConfigError, RewardError
-from ..rewards import REWARDS
-from ..rewards.custom import parse_call
+from .names import (
+    ADV_ESTIMATORS,
+    AGG_MODES,
+    DISTILL_KL,
+    DPO_LOSSES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    REWARDS,
+    ROLLOUT_ENGINES,
+    SCALE_REWARDS,
+)
+from .reward_spec import parse_call
 from .schema import MIN_TEMPERATURE, Config, JudgeConfig
 
 
@@ -248,7 +255,7 @@ def _tools(cfg: Config) -> None:
 def _vllm(cfg: Config) -> None:
     """rollout.engine one of builtin | vllm; with vllm: a Hugging Face model, no tools; vllm.* in range."""
     r, v = cfg.rollout, cfg.vllm
-    _choice("rollout.engine", r.engine, ("builtin", "vllm"))
+    _choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
     need(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization: must be in (0, 1]")
     need(v.kv_cache_gb is None or v.kv_cache_gb > 0, "vllm.kv_cache_gb: must be > 0 (or null)")
     need(v.max_model_len is None or v.max_model_len > r.max_new_tokens,
@@ -350,7 +357,7 @@ def _algorithm_estimator(cfg: Config) -> None:
     """algorithm.* of the advantage estimate: a registered estimator, gamma and lam in range, the
     sampler/trainer correction (mode, level, threshold > 1), RLPR's std filter decay in [0, 1)."""
     a = cfg.algorithm
-    _choice("algorithm.adv_estimator", a.adv_estimator, (*ADV_ESTIMATORS, *TOKEN_ESTIMATORS))
+    _choice("algorithm.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
     need(0 < a.gamma <= 1, "algorithm.gamma: must be in (0, 1]")
     need(0 <= a.lam <= 1, "algorithm.lam: must be in [0, 1]")
     _choice("algorithm.rollout_correction", a.rollout_correction, ("none", "tis", "mis"))
@@ -373,9 +380,9 @@ def _algorithm_loss(cfg: Config) -> None:
     clip ranges, beta >= 0 (and > 0 where the KL in the reward or the reference sync needs it),
     sampling rounds, DAPO's overlong buffer within rollout.max_new_tokens, TR-DPO's sync."""
     a, r = cfg.algorithm, cfg.rollout
-    _choice("algorithm.scale_rewards", a.scale_rewards, ("group", "batch", "none"))
-    _choice("algorithm.policy_loss", a.policy_loss, tuple(POLICY_LOSSES))
-    _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    _choice("algorithm.scale_rewards", a.scale_rewards, SCALE_REWARDS)
+    _choice("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)
+    _choice("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
     _choice("algorithm.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     need(a.adv_eps >= 0, "algorithm.adv_eps: must be >= 0")
     need(0 < a.epsilon < 1, "algorithm.epsilon: must be in (0, 1), e.g. 0.2")

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
+from argparse import Namespace
 
 from .. import distributed
 from ..config import Config
 from ..errors import ConfigError
 from ..monitor.console import Console
 from ..train.grpo import GRPOTrainer
-from .common import EVAL_KEYS, make_console, setup_torch, write_run_config, write_run_report
+from ..train.run import Run
+from .common import EVAL_KEYS, make_console, setup_torch, write_run_report
 from .train import build_trainer
 
 
-def run(cfg: Config, console: Console | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab demo`: cfg holds --steps, --seed and --out (cli.py folds them in)."""
+    return run_demo(cfg)
+
+
+def run_demo(cfg: Config, console: Console | None = None) -> dict:
     """Warm start, evaluate, GRPO, evaluate; print a before/after table; write summary.json."""
     t0 = time.perf_counter()
     setup_torch(cfg)
@@ -29,9 +35,10 @@ def _demo(cfg: Config, console: Console, t0: float) -> dict:
     if not cfg.eval.num_problems:
         raise ConfigError("eval.num_problems: 0 (no held-out eval) is for grpolab train; the demo's summary is "
                           "its eval before and after training")
-    run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir, GRPOTrainer.job)
-    trainer = build_trainer(cfg, run_dir, console)
+    run = Run(cfg, GRPOTrainer.job)
+    run.start()
+    run_dir = run.dir
+    trainer = build_trainer(cfg, run, console)
     try:
         console.info(f"evaluating on {len(trainer.test_rows)} held-out problems ...")
         before = trainer.evaluate()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
+
 from ..config import Config
 from ..errors import ConfigError, DataError
 from ..models.checkpoint import load_model
@@ -27,7 +29,12 @@ def check_vocabularies(teacher_tok, student_tok, teacher, student) -> None:
                           f"needs one shared vocabulary")
 
 
-def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab distill`: everything is in cfg."""
+    return run_distill(cfg)
+
+
+def run_distill(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
     """Distillation from distill.teacher into the student (`grpolab distill`); returns summary.json's contents."""
     return run_job(cfg, "distill", console, lambda c: _distill(cfg, c, before))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
+
 from ..config import Config
 from ..data.loading import read_records
 from ..data.preference import fit_pairs, preference_rows
@@ -22,7 +24,12 @@ def read_pairs(cfg: Config, path: str | None) -> list[dict]:
                            chosen_key=d.chosen_key, rejected_key=d.rejected_key)
 
 
-def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab dpo`: everything is in cfg."""
+    return run_dpo(cfg)
+
+
+def run_dpo(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
     """Direct preference optimisation (`grpolab dpo`); returns summary.json's contents."""
     return run_job(cfg, "dpo", console, lambda c: _dpo(cfg, c, before))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 from pathlib import Path
 
 from ..config import Config
@@ -16,7 +17,12 @@ from .common import setup_torch
 from .inputs import configure_rewards, fit_prompts, load_data
 
 
-def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab eval CHECKPOINT [--out DIR]`."""
+    return run_eval(args.checkpoint, cfg, out=args.out)
+
+
+def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: str | None = None) -> dict:
     """Evaluate a checkpoint (ours, or any Hugging Face model directory) on the test split;
     writes eval.json and eval_samples.jsonl to `out` and prints a table."""
     if not cfg.eval.num_problems:
@@ -24,7 +30,7 @@ def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str |
     console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=cfg.model.device)
-    configure_rewards(cfg, console)
+    runtime = configure_rewards(cfg, console)
     _, test_rows = load_data(cfg)
     test_rows = fit_prompts(cfg, model, tok, test_rows, console, "test")
     check_eval_memory(cfg, model, tok, test_rows)   # eval.k / eval.batch_size beyond the memory: one line
@@ -33,7 +39,7 @@ def run(checkpoint: str, cfg: Config, console: Console | None = None, out: str |
     console.info(f"eval: {min(e.num_problems, len(test_rows))} problems scored by eval.reward={e.reward}")
     res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
-                   reward=e.reward, tools=build_tool_use(cfg.rollout, tok, checkpoint))
+                   reward=e.reward, tools=build_tool_use(cfg.rollout, tok, checkpoint, runtime), runtime=runtime)
     samples = res.pop("samples")
     out_dir = Path(out or checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+from argparse import Namespace
 from pathlib import Path
 
 import torch
@@ -36,7 +37,14 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
 
 
 
-def run(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dtype: str = "float32") -> str:
+def run(cfg: None, args: Namespace) -> str:
+    """`grpolab export CHECKPOINT OUT_DIR`: prints what it wrote."""
+    line = run_export(args.checkpoint, args.out_dir, merge=args.merge, dtype=args.dtype)
+    print(line)
+    return line
+
+
+def run_export(checkpoint: str | Path, out_dir: str | Path, merge: bool = False, dtype: str = "float32") -> str:
     """Write the export; returns a one-line description of what was written."""
 
     from transformers.utils import logging as hf_logging

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
+
 from ..config import Config
 from ..serve.generate import run_generate, sampling_settings
 
@@ -12,8 +14,9 @@ def split_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
     return settings, [o for o in overrides if "." in o.split("=", 1)[0]]
 
 
-def run(model: str, inp: str, out: str, *, n: int, settings: dict, max_batch: int, score_cfg: Config | None,
-        dtype: str, device: str, max_model_len: int | None) -> None:
-    """Generate n completions per prompt of `inp` into `out` (rows already there are skipped)."""
-    run_generate(model, inp, out, n=n, settings=settings, max_batch=max_batch, score_cfg=score_cfg, dtype=dtype,
-                 device=device, max_model_len=max_model_len)
+def run(cfg: Config | None, args: Namespace) -> None:
+    """`grpolab generate MODEL --in PROMPTS --out OUT`: --n completions per prompt into OUT (rows already
+    there are skipped); cfg: the config that scores them (--score), else None."""
+    settings, _ = split_overrides(args.overrides)
+    run_generate(args.model, args.inp, args.out, n=args.n, settings=settings, max_batch=args.max_batch,
+                 score_cfg=cfg, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)

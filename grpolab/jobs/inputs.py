@@ -18,25 +18,28 @@ from ..models import CharTokenizer, build_builtin
 from ..models.checkpoint import load_model
 from ..models.hf import load_hf, resolve_device
 from ..monitor.console import Console
-from ..rewards import code, combine, judge
+from ..rewards import judge
+from ..rewards.runtime import RewardRuntime
 from ..rollout.tool_decode import build_tool_use
 from ..rollout.tools import load_tools
 from ..train.sft import model_context, train_sft, warm_start_hook
 from .common import model_device
 
 
-def configure_rewards(cfg: Config, console: Console | None = None) -> None:
-    """Before any work: reward.code_exec's limits for code_exec (also when a user reward calls it); when
-    code_exec scores this run, check the sandbox works on this machine (a one-line error with the fix
-    if not). A warning on every run when the sandbox is off."""
-    combine.configure(cfg.reward)   # reward.timeout for every score() of this run
+def configure_rewards(cfg: Config, console: Console | None = None) -> RewardRuntime:
+    """Before any work: the run's reward runtime (reward.timeout, reward.code_exec's limits), for every
+    score() of the run, code_exec and the python tool; when code_exec or the python tool is used, check the
+    sandbox works on this machine (a one-line error with the fix if not). A warning on every run when the
+    sandbox is off. The judges the run lists are built here too."""
     # the python tool runs programs in the same sandbox
     listed = "code_exec" in cfg.reward.functions or cfg.eval.reward == "code_exec" or "python" in cfg.rollout.tools
-    code.configure(cfg.reward.code_exec, warn=console.warn if console is not None else None, check=listed)
+    runtime = RewardRuntime.from_config(cfg.reward)
+    runtime.check(warn=console.warn if console is not None else None, sandbox=listed)
     if cfg.reward.judges:   # the judges this run asks; answers cached in the run directory
         judge.configure(cfg.reward, Path(cfg.train.output_dir) / "judge_cache")
     if cfg.rollout.tools:   # a bad tool spec fails here, before any warm start
-        load_tools(list(cfg.rollout.tools))
+        load_tools(list(cfg.rollout.tools), runtime)
+    return runtime
 
 
 def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dict]]:

@@ -12,17 +12,16 @@ from ..data.formats import has
 from ..data.loading import normalize_rows, read_records
 from ..data.supervised import has_sft_target, sft_rows, task_sft_rows
 from ..errors import ConfigError
-from ..models.checkpoint import find_resume_checkpoint, load_model
+from ..models.checkpoint import load_model
 from ..monitor.console import Console
 from ..train.memory_budget import check_eval_memory
+from ..train.run import Run
 from ..utils.files import write_json
 from .common import (
     EVAL_KEYS,
-    check_resume_job,
     make_console,
     model_device,
     setup_torch,
-    write_run_config,
     write_run_report,
 )
 from .inputs import configure_rewards, load_data, load_policy
@@ -89,10 +88,10 @@ def start_job(cfg: Config, job: str, console: Console):
     if not cfg.eval.num_problems:
         raise ConfigError(f"eval.num_problems: 0 (no held-out eval) is for grpolab train; {job} reports its eval "
                           f"before and after training")
-    run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir, job)
-    ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
-    check_resume_job(ckpt, job)
+    run = Run(cfg, job)
+    run.start()
+    ckpt = run.resume_checkpoint()
+    run_dir = run.dir
     train_task, test_task, why = task_rows(cfg, console)
     if why:
         console.info(why)

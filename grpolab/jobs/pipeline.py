@@ -25,6 +25,7 @@ CLI overrides apply last, to every stage.
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 from pathlib import Path
 
 from ..config import Config
@@ -82,7 +83,12 @@ def _final_checkpoint(run_dir: Path) -> str:
     return str(found[-1])
 
 
-def run(path: str | Path, overrides: list[str], console: Console | None = None) -> list[dict]:
+def run(cfg: None, args: Namespace) -> list[dict]:
+    """`grpolab pipeline CONFIG`: no one config (each stage builds its own from the file)."""
+    return run_pipeline(args.config, list(args.overrides))
+
+
+def run_pipeline(path: str | Path, overrides: list[str], console: Console | None = None) -> list[dict]:
     """Run (or, with train.resume=auto, finish) the stages; returns each stage's record."""
     root, stages = stage_configs(path, overrides)
     console = console or Console(level=stages[0][1].log.level)
@@ -131,14 +137,14 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
             if not samples.get("pairs"):
                 raise ConfigError(f"stages[{n}] (rm): no rm.pairs and no earlier sample stage with sample.pairs: true")
             cfg.rm.pairs = samples["pairs"]
-        summary = rm.run(cfg, console)
+        summary = rm.run_rm(cfg, console)
         return {**rec, "reward_model": _final_checkpoint(run_dir), "rm_eval": summary["after"]}
     if job == "sample":
         if not model_from:
             raise ConfigError(f"stages[{n}] (sample): needs a trained model from an earlier stage")
         run_dir.mkdir(parents=True, exist_ok=True)
         out = run_dir / ("pairs.jsonl" if cfg.sample.pairs else "samples.jsonl")
-        stats = sample.run(model_from, cfg, out, console)
+        stats = sample.run_sample(model_from, cfg, out, console)
         if not stats.get("pairs", stats.get("accepted")):
             what = "pairs" if cfg.sample.pairs else "completion reached sample.min_reward"
             raise DataError(f"stages[{n}] (sample): no {what}"
@@ -152,9 +158,9 @@ def _run_stage(n: int, job: str, cfg: Config, last: dict | None, samples: dict, 
             raise ConfigError(f"stages[{n}] (dpo): no dpo.pairs and no earlier sample stage with sample.pairs: true")
         cfg.dpo.pairs = samples["pairs"]
     if OLD_NAMES.get(job, job) == "train":
-        ev = train.run(cfg, console)
+        ev = train.run_train(cfg, console)
     else:
-        run = {"sft": sft.run, "dpo": dpo.run, "distill": distill.run}[job]
+        run = {"sft": sft.run_sft, "dpo": dpo.run_dpo, "distill": distill.run_distill}[job]
         # the model this stage starts from was evaluated at the end of the last stage: reused when the
         # eval is set up the same way (same problems, settings and seed: the same numbers)
         same = last is not None and last.get("eval_setup") == _eval_setup(cfg)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
 from pathlib import Path
 
 from ..monitor.report import write_report
 
 
-def run(run_dir: str | Path) -> Path:
-    """Write the run's report.html; its path."""
-    return write_report(run_dir)
+def run(cfg: None, args: Namespace) -> Path:
+    """`grpolab report RUN_DIR`: write the run's report.html; prints its path."""
+    path = write_report(args.run_dir)
+    print(path)
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from argparse import Namespace
 from pathlib import Path
 
 from .. import distributed
@@ -11,13 +12,14 @@ from ..data.loading import read_records
 from ..data.preference import heldout_size, preference_rows
 from ..errors import ConfigError
 from ..models import CharTokenizer, build_builtin
-from ..models.checkpoint import find_resume_checkpoint, list_checkpoints, load_model
+from ..models.checkpoint import list_checkpoints, load_model
 from ..models.hf import DTYPES, resolve_device
 from ..models.lora import lora_config
 from ..models.reward_head import BUILTIN_RM, BuiltinRewardModel, checkpoint_kind, load_builtin_rm, load_hf_rm
 from ..monitor.console import Console
 from ..train.rm import RewardTrainer
-from .common import check_resume_job, model_device, write_run_config
+from ..train.run import Run
+from .common import model_device
 from .offline import finish_job, run_job
 
 
@@ -98,7 +100,12 @@ def load_rm(cfg: Config, ckpt, console: Console):
     return rm
 
 
-def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab rm`: everything is in cfg."""
+    return run_rm(cfg)
+
+
+def run_rm(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
     """Reward-model training (`grpolab rm`); returns summary.json's contents."""
     return run_job(cfg, "rm", console, lambda c: _rm(cfg, c, before))
 
@@ -107,10 +114,10 @@ def _rm(cfg: Config, console: Console, before: dict | None) -> dict:
     pairs, test_pairs = rm_pairs(cfg)
     if distributed.world_from_env().size > 1:
         raise ConfigError("rm runs in one process; drop --nproc / torchrun")
-    run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir, "rm")
-    ckpt = find_resume_checkpoint(cfg.train.resume, run_dir) if cfg.train.resume else None
-    check_resume_job(ckpt, "rm")
+    run = Run(cfg, "rm")
+    run.start()
+    ckpt = run.resume_checkpoint()
+    run_dir = run.dir
     rm = load_rm(cfg, ckpt, console)
     trainer = RewardTrainer(cfg, rm, pairs, test_pairs=test_pairs, run_dir=run_dir, console=console)
     trained = sum(p.numel() for p in rm.parameters() if p.requires_grad)

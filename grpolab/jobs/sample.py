@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from argparse import Namespace
 from pathlib import Path
 
 import torch
@@ -56,16 +57,22 @@ def select_pair(completions: list[str], rewards: list[float]) -> tuple[int, int]
     return best, worst
 
 
-def run(checkpoint: str, cfg: Config, out: str | Path, console: Console | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab sample CHECKPOINT --out FILE`: cfg holds --k and --pairs."""
+    return run_sample(args.checkpoint, cfg, args.out)
+
+
+def run_sample(checkpoint: str, cfg: Config, out: str | Path, console: Console | None = None) -> dict:
     """Sample, score, select, write `out` (jsonl, atomically); returns the counts."""
     console = console or Console(level=cfg.log.level)
     setup_torch(cfg)
     sm, r, w = cfg.sample, cfg.rollout, cfg.reward
     model, tok = load_model(checkpoint, dtype=cfg.model.dtype, device=model_device(cfg))
-    configure_rewards(cfg, console)
+    runtime = configure_rewards(cfg, console)
     rows, _ = load_data(cfg, with_test=False)   # sampling needs no test split
     rows = fit_prompts(cfg, model, tok, rows, console, "train")
-    tools = build_tool_use(cfg.rollout, tok, checkpoint)   # rollout.tools: samples may call them (SFT masks outputs)
+    # rollout.tools: samples may call them (SFT masks outputs)
+    tools = build_tool_use(cfg.rollout, tok, checkpoint, runtime)
     rows = rows[:sm.num_prompts] if sm.num_prompts else rows
     names = reward_names(w.functions)
     k = sm.k
@@ -84,7 +91,7 @@ def run(checkpoint: str, cfg: Config, out: str | Path, console: Console | None =
         texts = [tok.decode(ids) for ids in id_lists]
         columns = {c: [x[c] for x in chunk for _ in range(k)] for c in chunk[0] if c != "prompt"}
         total, cols = score(w.functions, w.weights, [x["prompt"] for x in chunk for _ in range(k)], texts, columns,
-                            completion_ids=id_lists)
+                            completion_ids=id_lists, runtime=runtime)
         for i, row in enumerate(chunk):
             comp = texts[i * k:(i + 1) * k]
             rew = [float(v) for v in total[i * k:(i + 1) * k]]

@@ -11,11 +11,13 @@ built-in arithmetic task, there is no eval on that task (the line says so).
 
 from __future__ import annotations
 
+from argparse import Namespace
+
 from ..config import Config
 from ..config.schema import SFTConfig
 from ..errors import ConfigError
 from ..monitor.console import Console
-from ..train.offline import total_steps
+from ..train.offline_trainer import total_steps
 from ..train.sft import SFTTrainer, warm_start_hook
 from .inputs import fit_prompts
 from .offline import finish_job, read_sft, run_job, sft_data, start_job, starting_model
@@ -26,7 +28,12 @@ HF_LR = 2e-5        # TRL SFTConfig's learning_rate default (full fine-tuning)
 HF_LORA_LR = 2e-4   # TRL's LoRA example (trl/scripts/sft.py, PEFT docs)
 
 
-def run(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab sft`: everything is in cfg."""
+    return run_sft(cfg)
+
+
+def run_sft(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
     """Supervised fine-tuning (`grpolab sft`); returns summary.json's contents."""
     return run_job(cfg, "sft", console, lambda c: _sft(cfg, c, before))
 

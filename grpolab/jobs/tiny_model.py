@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 
 from ..errors import ConfigError
 from ..models.tiny_hf import SPECIALS, save_tiny_model
 
 
-def run(out: str, data: str | None = None, vocab_size: int = 512) -> str:
+def run(cfg: None, args: Namespace) -> str:
+    """`grpolab tiny-model OUT`: prints where it wrote."""
+    path = run_tiny_model(args.out, args.data, vocab_size=args.vocab_size)
+    print(f"wrote {path}")
+    return path
+
+
+def run_tiny_model(out: str, data: str | None = None, vocab_size: int = 512) -> str:
     """Write the model to `out`; its tokenizer trains on `data`'s question/prompt and answer texts
     (default: arithmetic problems). The path written."""
     least = 256 + len(SPECIALS)   # byte-level BPE: every byte, and the special tokens

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from argparse import Namespace
 
 import torch
 
@@ -11,26 +11,22 @@ from .. import distributed
 from ..config import Config
 from ..errors import ConfigError
 from ..models import CharTokenizer
-from ..models.checkpoint import find_resume_checkpoint, load_model
+from ..models.checkpoint import load_model
 from ..models.hf import resolve_device
 from ..monitor.console import Console
 from ..train.grpo import GRPOTrainer
 from ..train.memory_budget import builtin_shape, check_run_memory
-from .common import check_resume_job, make_console, model_device, setup_torch, write_run_config, write_run_report
+from ..train.run import Run
+from .common import make_console, model_device, setup_torch, write_run_report
 from .inputs import configure_rewards, fit_prompts, fit_prompts_to, load_data, load_policy
 
 
-def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
+def build_trainer(cfg: Config, run: Run, console: Console) -> GRPOTrainer:
     """Data, starting policy (warm-started if built-in), prompt-length filter, trainer."""
     problem = distributed.check_world(distributed.world_from_env(), cfg.rollout.prompts_per_step)
     if problem:   # before any work, not after the warm start
         raise ConfigError(problem)
-    # rank 0 finds (and repairs) the checkpoint; the others take its answer (run_dir: a shared filesystem)
-    ckpt = None
-    if cfg.train.resume and distributed.world_from_env().main:
-        ckpt = find_resume_checkpoint(cfg.train.resume, run_dir)
-    ckpt = distributed.broadcast_object(ckpt)
-    check_resume_job(ckpt, GRPOTrainer.job)
+    ckpt = run.resume_checkpoint()   # rank 0 finds (and repairs) it; the others take its answer
     configure_rewards(cfg, console)
     train_rows, test_rows = load_data(cfg)
     said = eval_check_line(cfg)
@@ -50,7 +46,7 @@ def build_trainer(cfg: Config, run_dir: Path, console: Console) -> GRPOTrainer:
         model, tok = load_policy(cfg, train_rows, console)   # the warm start reads every row, as it always has
     train_rows, test_rows = fitted or (fit_prompts(cfg, model, tok, train_rows, console, "train"),
                                        fit_prompts(cfg, model, tok, test_rows, console, "test"))
-    trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run_dir, console)
+    trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run.dir, console)
     if ckpt is not None:
         trainer.restore(ckpt, weights=False)   # the policy was loaded from ckpt above
     return trainer
@@ -66,7 +62,12 @@ def eval_check_line(cfg: Config) -> str | None:
             f"({', '.join(map(str, cfg.reward.functions))}); set eval.reward to the check that fits the data")
 
 
-def run(cfg: Config, console: Console | None = None) -> dict:
+def run(cfg: Config, args: Namespace) -> dict:
+    """`grpolab train`: everything is in cfg."""
+    return run_train(cfg)
+
+
+def run_train(cfg: Config, console: Console | None = None) -> dict:
     """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
     setup_torch(cfg)
     try:
@@ -76,9 +77,10 @@ def run(cfg: Config, console: Console | None = None) -> dict:
 
 
 def _train(cfg: Config, console: Console) -> dict:
-    run_dir = Path(cfg.train.output_dir)
-    write_run_config(cfg, run_dir, GRPOTrainer.job)
-    trainer = build_trainer(cfg, run_dir, console)
+    run = Run(cfg, GRPOTrainer.job)
+    run.start()
+    run_dir = run.dir
+    trainer = build_trainer(cfg, run, console)
     if trainer.world.size > 1:
         console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "
                      f"{torch.get_num_threads()} threads each")

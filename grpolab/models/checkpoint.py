@@ -1,4 +1,6 @@
-"""Checkpoints: atomic save (temp dir, fsync, rename) and loading.
+"""Checkpoint directories: atomic save (temp dir, fsync, rename), verify, load, list, prune, and the
+clean-up after a crash mid-save. Which checkpoint a resume continues from, and what it accepts, is the
+run's business (train/run.py).
 
 Layout of checkpoints/step_N/:
     model.safetensors      weights
@@ -15,7 +17,7 @@ Layout of checkpoints/step_N/:
     critic_optimizer.pt    its optimizer and scheduler state
     trainer_state.json     step, data position (and the wandb run id)
     run_config.yaml        the run's config.yaml when the checkpoint was written (resume compares it with
-                           the new config: resume_rules.py)
+                           the new config: train/resume_rules.py)
     manifest.json          written last: the step and every other file's size and sha256
 
 optimizer.pt and rng.pt hold tensors and plain containers only and are loaded with
@@ -38,18 +40,15 @@ import pickle
 import re
 import shutil
 import struct
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_safetensors_model
 
 from ..errors import CheckpointError
-from ..utils.files import write_atomic
 from . import GPT, CharTokenizer, GPTConfig
 from .hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
 from .lora import add_lora
@@ -178,7 +177,7 @@ def _stage(root: Path, step: int, model, *, tokenizer=None, optimizer=None, sche
         extra(tmp)
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {}), "format": FORMAT},
                                                        indent=2))
-    run_config = root.parent / "config.yaml"   # written by the job at its start (pipeline.write_run_config)
+    run_config = root.parent / "config.yaml"   # written by the job at its start (train/run.py)
     if run_config.is_file():
         shutil.copyfile(run_config, tmp / RUN_CONFIG)
     files = {}
@@ -255,7 +254,7 @@ def verify_checkpoint(path: str | Path, skip: tuple[str, ...] = ()) -> None:
     if not isinstance(files, dict) or not isinstance(m.get("step"), int):
         raise CheckpointError(f"{manifest}: cannot be read (no 'step' and 'files'); the checkpoint is damaged")
     name = p.name.removeprefix(ASIDE)
-    if _is_step_name(name) and int(name[5:]) != m["step"]:
+    if is_step_name(name) and int(name[5:]) != m["step"]:
         raise CheckpointError(f"{manifest}: written for step {m['step']}, but the directory is {p.name} (moved or "
                               f"copied from another step); resume from a checkpoint left where it was written")
     listed = [(rel, info) for rel, info in files.items() if rel not in skip]
@@ -354,11 +353,11 @@ def recover_checkpoints(ckpt_root: str | Path) -> None:
     for p in sorted(root.iterdir()):
         if p.name.startswith(TMP) and p.is_dir():
             shutil.rmtree(p)
-        elif p.name.startswith(ASIDE) and _is_step_name(p.name[len(ASIDE):]):
+        elif p.name.startswith(ASIDE) and is_step_name(p.name[len(ASIDE):]):
             final = root / p.name[len(ASIDE):]
-            if _is_complete(final):
+            if is_complete(final):
                 shutil.rmtree(p)
-            elif _is_complete(p):
+            elif is_complete(p):
                 if final.exists():
                     shutil.rmtree(final)
                 os.rename(p, final)
@@ -432,11 +431,13 @@ def _step_of(p: Path) -> int:
     return int(p.name.rsplit("_", 1)[1])
 
 
-def _is_step_name(name: str) -> bool:
+def is_step_name(name: str) -> bool:
+    """A checkpoint directory's name: step_N."""
     return name.startswith("step_") and name[5:].isdigit()
 
 
-def _is_complete(p: Path) -> bool:
+def is_complete(p: Path) -> bool:
+    """A checkpoint directory whose save got as far as trainer_state.json."""
     return p.is_dir() and (p / "trainer_state.json").is_file()
 
 
@@ -449,7 +450,7 @@ def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
     found = {}
     for p in root.iterdir():
         name = p.name[len(ASIDE):] if p.name.startswith(ASIDE) else p.name
-        if _is_step_name(name) and _is_complete(p) and (p.name == name or name not in found):
+        if is_step_name(name) and is_complete(p) and (p.name == name or name not in found):
             found[name] = p
     return sorted(found.values(), key=_step_of)
 
@@ -461,49 +462,16 @@ def prune_checkpoints(ckpt_root: str | Path, keep: int) -> None:
             shutil.rmtree(p)
 
 
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
-def find_resume_checkpoint(resume: str, output_dir: str | Path,
-                           warn: Callable[[str], None] = _warn) -> Path | None:
-    """train.resume: 'auto' -> the newest usable checkpoint under output_dir (None if there is none),
-    after cleaning up what a crash mid-save left there; a newer one that fails its check
-    (verify_checkpoint) is renamed unusable_step_N, with a warning, and the previous one is taken.
-    Else the path, checked: a CheckpointError naming the file when it fails."""
-    if resume == "auto":
-        root = Path(output_dir) / "checkpoints"
-        recover_checkpoints(root)
-        found = list_checkpoints(root)
-        bad = []
-        for p in reversed(found):
-            try:
-                check_training_checkpoint(p)
-            except CheckpointError as e:
-                bad.append((p, e))
-                continue
-            # only now that a usable one is found: the unusable newer ones go out of the way (pruning
-            # would otherwise count them and delete good ones); with none usable nothing is moved
-            for q, e in bad:
-                warn(f"train.resume=auto: {q.name} is unusable ({e}); moved it to {_set_aside(q).name} and "
-                     f"resuming from {p.name}")
-            return p
-        if bad:
-            raise CheckpointError(f"train.resume=auto: no usable checkpoint under {root}; the newest: "
-                                  f"{bad[0][1]}") from None
-        return None
-    p = Path(resume)
+def checkpoint_at(p: Path) -> Path:
+    """Where the checkpoint `p` (a step_N path) is: `p`, or the .old_step_N a crash mid-re-save left
+    aside when `p` is missing (read there: it may be another run's directory, so it is not moved back)."""
     aside = p.parent / f"{ASIDE}{p.name}"
-    if _is_step_name(p.name) and not p.exists() and _is_complete(aside):
-        p = aside   # a crash mid-re-save left it aside; read it there (another run's directory: don't move it)
-    if not (p / "trainer_state.json").is_file() or not (p / "optimizer.pt").is_file():
-        raise FileNotFoundError(f"train.resume: {resume!r} is not a training checkpoint (checkpoints/step_N "
-                                f"with trainer_state.json and optimizer.pt)")
-    check_training_checkpoint(p)
+    if is_step_name(p.name) and not p.exists() and is_complete(aside):
+        return aside
     return p
 
 
-def _set_aside(p: Path) -> Path:
+def set_aside(p: Path) -> Path:
     """Rename a checkpoint that failed its check out of the checkpoints' way (never deleted: it may
     hold what someone wants to look at); pruning and the next resume no longer see it."""
     n, dest = 0, p.parent / f"{UNUSABLE}{p.name.removeprefix(ASIDE)}"
@@ -556,20 +524,6 @@ def checkpoint_job(path: str | Path) -> str | None:
     return _read_json(f).get("job", "grpo") if f.is_file() else None
 
 
-def run_config_of(ckpt: str | Path) -> dict | None:
-    """The config a checkpoint was written with: its run_config.yaml, or (older checkpoints) the
-    config.yaml of the run directory it sits in; None when neither exists."""
-    p = Path(ckpt)
-    for f in (p / RUN_CONFIG, p.parent.parent / "config.yaml"):
-        if f.is_file():
-            try:
-                data = yaml.safe_load(f.read_text())
-            except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-                raise CheckpointError(f"{f}: cannot be read ({_first_line(e)})") from None
-            return data if isinstance(data, dict) else None
-    return None
-
-
 def load_training_state(path: str | Path, model=None, ref_model=None) -> dict:
     """Load a checkpoint's weights into `model` (skipped when None, e.g. a model just loaded from
     this checkpoint) and its reference into `ref_model`, in place; return optimizer, scheduler,
@@ -607,49 +561,3 @@ def load_plain(path: Path) -> object:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: cannot be read ({why}); "
                               f"resume from an earlier checkpoint") from None
-
-
-def cut_logs(run_dir: str | Path, step: int, names: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> None:
-    """Drop the lines of a run's jsonl logs written after `step` (a resumed run writes them again).
-    A torn last line (a crash mid-append) is dropped, as `grpolab generate` does; a broken line
-    before it is a CheckpointError naming the file and line."""
-    for name in names:
-        path = Path(run_dir) / name
-        if path.exists():
-            lines = [(n, ln) for n, ln in enumerate(path.read_text(errors="replace").splitlines(), 1) if ln.strip()]
-            keep = []
-            for i, (n, ln) in enumerate(lines):
-                found = _log_step(ln)
-                if found is None:
-                    if i == len(lines) - 1:   # torn by a crash mid-write
-                        break
-                    raise CheckpointError(f"{path}: line {n} is not a log record (a JSON object with a step); "
-                                          f"delete that line and resume again")
-                if found <= step:
-                    keep.append(ln)
-            write_atomic(path, "".join(ln + "\n" for ln in keep))
-
-
-def _log_step(line: str) -> int | None:
-    try:
-        rec = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    step = rec.get("step") if isinstance(rec, dict) else None
-    return step if isinstance(step, int) else None
-
-
-def drop_final_eval(path: Path, step: int, eval_every: int) -> None:
-    """Continuing a finished run past `step`: remove the eval/* keys (and the watch/* keys logged with them)
-    from `step`'s row, the last one of metrics.jsonl, unless train.eval_every evaluates at that step anyway (an
-    unbroken run has no eval there otherwise); rewritten atomically, and only when there are any."""
-    if (eval_every and step % eval_every == 0) or not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    if not lines:
-        return
-    row = json.loads(lines[-1])
-    if row.get("step") != step or not any(k.startswith("eval/") for k in row):
-        return
-    lines[-1] = json.dumps({k: v for k, v in row.items() if not k.startswith(("eval/", "watch/"))}) + "\n"
-    write_atomic(path, "".join(lines))

@@ -11,6 +11,8 @@ For one batch of B completions grpolab calls every reward function as TRL's GRPO
 - `completion_ids` are the sampled token ids of each completion, stop token included, no padding.
 - A function with `**kwargs` receives everything; one without receives only the arguments it names
   (TRL would raise there). A required parameter grpolab does not pass is a one-line RewardError.
+- A function that names a `runtime` parameter (with a default) also gets the run's settings
+  (`runtime.RewardRuntime`: reward.code_exec's sandbox), e.g. to pass on to code_exec.
 """
 
 from __future__ import annotations

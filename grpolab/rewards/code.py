@@ -16,9 +16,9 @@ Tests, from the row's columns:
   this function as `answer`. Each case is one test: the program reads the input on stdin and passes
   when it exits 0 and prints the output (trailing whitespace ignored).
 A row with no tests gets None (not applicable). Programs run `reward.code_exec.max_concurrent` at a
-time, each confined in PID, IPC and mount namespaces of its own (its own /tmp and shared memory:
-nothing one leaves reaches another); each is killed at `reward.code_exec.timeout`, and the tests it
-had not passed by then fail.
+time (the settings come in the `runtime` argument), each confined in PID, IPC and mount namespaces of
+its own (its own /tmp and shared memory: nothing one leaves reaches another); each is killed at
+`reward.code_exec.timeout`, and the tests it had not passed by then fail.
 """
 
 from __future__ import annotations
@@ -26,40 +26,13 @@ from __future__ import annotations
 import ast
 import json
 import re
-import sys
 from collections import Counter
 
-from ..sandbox import Limits, run_programs
-from ..sandbox.runner import check_isolation
+from ..sandbox import run_programs
 from .calling import completion_text
+from .runtime import RewardRuntime
 
 FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|$)", re.S | re.I)
-
-
-class _Settings:
-    limits = Limits()
-    max_concurrent = 0
-    unsafe = False
-
-
-SETTINGS = _Settings()
-
-
-def configure(cfg, warn=None, check: bool = True) -> None:
-    """Take reward.code_exec (a config.CodeExecConfig) for the rest of the process (also for user
-    rewards that call code_exec); with `check`, make sure the sandbox works here (SandboxError with
-    the fix if not). Warns when the sandbox is off."""
-    SETTINGS.limits = Limits(timeout=cfg.timeout, memory_mb=cfg.memory_mb, max_procs=cfg.max_procs,
-                             max_output=cfg.max_output, tmp_mb=cfg.tmp_mb, tmp_inodes=cfg.tmp_inodes,
-                             shm_mb=cfg.shm_mb)
-    SETTINGS.max_concurrent = cfg.max_concurrent
-    SETTINGS.unsafe = cfg.unsafe_no_sandbox
-    if cfg.unsafe_no_sandbox:
-        msg = ("reward.code_exec.unsafe_no_sandbox is true: model-written programs run WITHOUT isolation, as this "
-               "user, with only resource limits")
-        (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(msg)
-    elif check:
-        check_isolation()
 
 
 def prompt_code(prompt) -> str:
@@ -128,8 +101,10 @@ def tests_of(row: dict, prompt=None) -> dict | None:
 
 
 def code_exec(prompts, completions, test=None, entry_point=None, test_cases=None, answer=None,
-              log_metric=None, **kwargs) -> list[float | None]:
-    """Fraction of the row's tests each completion's program passes (None for rows without tests)."""
+              log_metric=None, runtime: RewardRuntime | None = None, **kwargs) -> list[float | None]:
+    """Fraction of the row's tests each completion's program passes (None for rows without tests).
+    `runtime`: the sandbox's settings (reward.code_exec; `combine.score` passes the run's), None = the defaults."""
+    runtime = runtime if runtime is not None else RewardRuntime()
     n = len(completions)
     col = lambda v: v if isinstance(v, list) else [v] * n   # noqa: E731
     test, entry_point, test_cases, answer = col(test), col(entry_point), col(test_cases), col(answer)
@@ -142,7 +117,7 @@ def code_exec(prompts, completions, test=None, entry_point=None, test_cases=None
             continue
         jobs.append((extract_program(completion_text(completions[i]), prompts[i]), tests))
         where.append(i)
-    verdicts = run_programs(jobs, SETTINGS.limits, max_concurrent=SETTINGS.max_concurrent, unsafe=SETTINGS.unsafe)
+    verdicts = run_programs(jobs, runtime.limits, max_concurrent=runtime.max_concurrent, unsafe=runtime.unsafe)
     out: list[float | None] = [None] * n
     for i, v in zip(where, verdicts):
         out[i] = v.score

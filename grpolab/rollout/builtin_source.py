@@ -18,7 +18,8 @@ from .source import RolloutSource, Taken, diverged
 class BuiltinSource(RolloutSource):
     def __init__(self, cfg: Config, model, feed: PromptFeed, world: World, progress: StepProgress, *, tools=None,
                  console: Console | None = None, full_weights=None) -> None:
-        self.model, self.feed, self.world, self.progress, self.tools = model, feed, world, progress, tools
+        self.cfg, self.model, self.feed, self.world, self.progress = cfg, model, feed, world, progress
+        self.tools = tools
         # sharded policies: the whole weights gathered for the decode (sharding.full_weights)
         self.full_weights = full_weights or (lambda model: nullcontext())
 

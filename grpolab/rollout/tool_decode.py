@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rewards.runtime import RewardRuntime
 from .tool_formats import tool_format
 from .tools import CallRecord, ToolRunner, load_tools
 
@@ -39,11 +40,13 @@ class ToolUse:
         self.runner.close()
 
 
-def build_tool_use(rollout_cfg, tokenizer, model_name: str = "the model") -> ToolUse | None:
-    """The configured tools (rollout.tools), or None when there are none."""
+def build_tool_use(rollout_cfg, tokenizer, model_name: str = "the model",
+                   runtime: RewardRuntime | None = None) -> ToolUse | None:
+    """The configured tools (rollout.tools), or None when there are none; `runtime`: the sandbox the python
+    tool runs its programs in (reward.code_exec's)."""
     if not rollout_cfg.tools:
         return None
-    tools = load_tools(list(rollout_cfg.tools))
+    tools = load_tools(list(rollout_cfg.tools), runtime)
     fmt = tool_format(tokenizer, [t.schema for t in tools.values()], model_name)
     runner = ToolRunner(tools, timeout=rollout_cfg.tool_timeout, max_output_chars=rollout_cfg.tool_output_max_chars)
     return ToolUse(fmt, runner, rollout_cfg.max_tool_calls, rollout_cfg.max_completion_tokens)

@@ -3,7 +3,7 @@
 A request (`Job`) is one prompt and its n choices. Between two steps the batcher lets finished
 and cancelled rows leave and admits waiting jobs while the batch has room (`max_batch` rows):
 the new prompts are prefilled together, copied to their n rows and joined to the batch (see
-frame.py), so a request never waits for another to finish. Each step samples one token per row
+kv_cache.py), so a request never waits for another to finish. Each step samples one token per row
 with that row's own settings and randomness, then runs one forward pass over the rows still going.
 
 Randomness is keyed per choice (rollout/keys.py): a choice's t-th token uses a uniform hashed
@@ -32,7 +32,7 @@ from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
 from ..rollout.structured import Constraint, Grammars
 from ..utils.padding import pad_sequences
-from . import frame
+from . import kv_cache
 from .prompt_logprobs import PromptLogprob, prompt_logprobs
 
 # a frame is rebuilt tighter once this many leading columns are padding for every row
@@ -272,10 +272,10 @@ class Batcher:
             self._keep(going)
         if self.rows:
             compacted = len(self.rows) < tokens.numel()
-            cols = frame.width(self.cache)
-            if cols is not None and frame.write_pos(self.cache) >= cols:   # full: grow the frame
+            cols = kv_cache.width(self.cache)
+            if cols is not None and kv_cache.write_pos(self.cache) >= cols:   # full: grow the frame
                 live = max(self._remaining(j, c) for j, c in self.rows if not c.done)
-                self.cache = frame.place(self.cache, cols, cols + min(live, GROW))
+                self.cache = kv_cache.place(self.cache, cols, cols + min(live, GROW))
             self.logits = self._forward((tokens[going] if compacted else tokens)[:, None])
 
     def _forward(self, ids: torch.Tensor, key_valid: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -324,7 +324,7 @@ class Batcher:
         room = min(GROW, max(self._remaining(j, c) for j, c in self.rows + rows if not c.done))
         ids, valid = pad_sequences([j.prompt_ids for j in new], self.tok.pad_id, "left")
         # an empty batch: the new rows' cache is the frame (room to decode); else a prompt-sized one, placed
-        cache = frame.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
+        cache = kv_cache.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
         if new[0].prompt_logprobs is None:
             logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
         else:   # every position's logits: each prompt's scores, then its last position's for sampling
@@ -343,14 +343,14 @@ class Batcher:
         if not self.rows:
             self.cache, self.rows, self.logits, self._admitting = cache, rows, logits, []
             return
-        pos, cols = frame.write_pos(self.cache), frame.width(self.cache)
+        pos, cols = kv_cache.write_pos(self.cache), kv_cache.width(self.cache)
         used = int(self.cache.count.max())   # real tokens of the longest row (finished ones still here too)
         fits = width <= pos and pos - used < SLACK
         if not fits:   # a new frame: as far right as the longest row needs (it grows when full)
             pos = max(used, width)
             cols = None if cols is None else pos + room
-            self.cache = frame.place(self.cache, pos, cols)
-        self.cache = frame.join(self.cache, frame.place(cache, pos, cols))
+            self.cache = kv_cache.place(self.cache, pos, cols)
+        self.cache = kv_cache.join(self.cache, kv_cache.place(cache, pos, cols))
         self.rows += rows
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []

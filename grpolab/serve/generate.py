@@ -21,11 +21,12 @@ import yaml
 from ..data.loading import check_roles
 from ..errors import ConfigError, DataError
 from ..monitor.console import Console, fmt_duration
-from ..rewards import combine, judge
-from ..rewards.combine import score
+from ..rewards import judge
+from ..rewards.combine import check_signatures, score
+from ..rewards.runtime import RewardRuntime
 from ..utils.files import write_atomic
 from .batcher import BadSampling, Job, SamplingParams
-from .engine import load_engine
+from .model_loader import load_engine
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "min_tokens", "presence_penalty",
                  "frequency_penalty", "repetition_penalty")
@@ -127,12 +128,14 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
     if done and max(done) >= len(rows):
         raise DataError(f"{out_path} holds row {max(done)}, but {in_path} has {len(rows)} rows: "
                         f"is it the output of another input?")
+    runtime = None
     if score_cfg is not None:
         columns = sorted({k for r in rows for k in r if k != "prompt"})
         if score_cfg.reward.judges:   # judge answers cached beside OUT
             judge.configure(score_cfg.reward, Path(out_path).parent / "judge_cache")
-        combine.configure(score_cfg.reward)   # reward.timeout
-        combine.check_signatures(list(score_cfg.reward.functions), columns, rows=rows, source=in_path)
+        # reward.timeout; code_exec's sandbox keeps the defaults (reward.code_exec is not read here)
+        runtime = RewardRuntime(timeout=float(score_cfg.reward.timeout))
+        check_signatures(list(score_cfg.reward.functions), columns, rows=rows, source=in_path)
     batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                                         dtype=dtype, device=device)
     todo = [i for i in range(len(rows)) if i not in done]
@@ -160,7 +163,7 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
         batcher.submit(jobs[i])
     t0 = time.perf_counter()
     try:
-        written, tokens = _decode_and_write(batcher, jobs, rows, finished, out, score_cfg, console,
+        written, tokens = _decode_and_write(batcher, jobs, rows, finished, out, score_cfg, runtime, console,
                                             len(done), len(todo), t0)
         # all rows done: rewrite in input order
         final = _done_rows(out)
@@ -179,7 +182,8 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
 
 
 def _decode_and_write(batcher, jobs: dict, rows: list[dict], finished: list[int], out: Path, score_cfg,
-                      console: Console, n_done: int, n_todo: int, t0: float) -> tuple[int, int]:
+                      runtime: RewardRuntime | None, console: Console, n_done: int, n_todo: int,
+                      t0: float) -> tuple[int, int]:
     """Step the batcher until every job is done, appending each finished row to OUT (flushed at once, so
     an interruption keeps it); (rows written, completion tokens)."""
     last, written, tokens = 0.0, 0, 0
@@ -192,7 +196,7 @@ def _decode_and_write(batcher, jobs: dict, rows: list[dict], finished: list[int]
                        "finish_reasons": [c.finish_reason for c in job.choices],
                        "completion_tokens": [len(c.tokens) for c in job.choices]}
                 if score_cfg is not None:
-                    row.update(_score(score_cfg, rows[i], row["completions"]))
+                    row.update(_score(score_cfg, runtime, rows[i], row["completions"]))
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 written += 1
@@ -210,9 +214,10 @@ def _decode_and_write(batcher, jobs: dict, rows: list[dict], finished: list[int]
     return written, tokens
 
 
-def _score(cfg, row: dict, completions: list[str]) -> dict:
+def _score(cfg, runtime: RewardRuntime, row: dict, completions: list[str]) -> dict:
     k = len(completions)
     columns = {c: [row[c]] * k for c in row if c != "prompt"}
-    total, per = score(list(cfg.reward.functions), cfg.reward.weights, [row["prompt"]] * k, completions, columns)
+    total, per = score(list(cfg.reward.functions), cfg.reward.weights, [row["prompt"]] * k, completions, columns,
+                       runtime=runtime)
     return {"rewards": total.tolist(),
             "scores": {name: [None if v != v else v for v in t.tolist()] for name, t in per.items()}}

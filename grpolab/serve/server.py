@@ -13,7 +13,7 @@ import sys
 
 from ..errors import ConfigError
 from .api import create_app
-from .engine import load_engine
+from .model_loader import load_engine
 from .requests import MAX_REQUEST_BYTES, MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
 
 MAX_PORT = 65535

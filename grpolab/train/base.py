@@ -5,7 +5,7 @@ checkpoints, the console's progress), SIGINT/SIGTERM (finish the step, save, sto
 checkpoints and exact resume, LoRA and float32 master weights, and what follows a non-finite update
 (skip or undo it, count it, stop after train.max_bad_steps). A trainer subclass supplies `train_step`
 (one step, returning its metrics row) and `evaluate` (held-out metrics), plus whatever extra state its
-checkpoints keep; train/offline.py is the micro-batched supervised step of SFT, DPO, RM and
+checkpoints keep; train/offline_trainer.py is the micro-batched supervised step of SFT, DPO, RM and
 distillation, train/grpo.py the RL step.
 """
 
@@ -22,12 +22,13 @@ import torch
 
 from .. import distributed as dist
 from ..errors import TrainingError
-from ..models.checkpoint import cut_logs, drop_final_eval, load_training_state, prune_checkpoints, save_checkpoint
+from ..models.checkpoint import load_training_state, prune_checkpoints, save_checkpoint
 from ..models.lora import add_lora, has_lora, lora_config
 from ..monitor.console import PROGRESS_SECONDS, StepProgress
 from ..monitor.trackers import Trackers
 from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
 from .master import MasterWeights
+from .run_logs import rewind_logs
 from .stop import StopFlag
 
 
@@ -220,17 +221,22 @@ class Trainer:
             if run:
                 self.save()
             if pending is not None:   # the final checkpoint is safe first; then the held-out eval, in the last row
-                self.final_eval = self.run_eval(final=True)
-                evals = self.eval_row(self.final_eval)
-                pending.update(evals)
-                if files:   # the last step's row again, now with the eval (trackers: the eval alone)
-                    f.seek(pending_at)
-                    f.truncate()
-                    f.write(json.dumps(pending) + "\n")
-                    f.flush()
-                    trackers.log(evals, self.step)
-                self.show_progress(pending, start, start_step, force=True)
+                self._fold_final_eval(pending, pending_at, f, trackers, start, start_step)
         return history
+
+    def _fold_final_eval(self, row: dict, at: int, f, trackers, start: float, start_step: int) -> None:
+        """The held-out eval after the last step, kept in `self.final_eval` and folded into that step's
+        `row`, which starts at offset `at` of metrics.jsonl (`f`)."""
+        self.final_eval = self.run_eval(final=True)
+        evals = self.eval_row(self.final_eval)
+        row.update(evals)
+        if self.writes:   # the last step's row again, now with the eval (trackers: the eval alone)
+            f.seek(at)
+            f.truncate()
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            trackers.log(evals, self.step)
+        self.show_progress(row, start, start_step, force=True)
 
     # ------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict:
@@ -302,6 +308,5 @@ class Trainer:
         self.wandb_run_id = tr.get("wandb_run_id")
         self.restore_extra(tr, Path(ckpt))
         if self.writes:   # the writing process owns the files
-            cut_logs(self.run_dir, self.step)
-            if self.step < self.max_steps:   # continued past it; a finished run's last row keeps its final eval
-                drop_final_eval(self.run_dir / "metrics.jsonl", self.step, self.cfg.train.eval_every)
+            rewind_logs(self.run_dir, self.step, continues=self.step < self.max_steps,
+                        eval_every=self.cfg.train.eval_every)

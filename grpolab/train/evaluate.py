@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from fractions import Fraction
 from math import comb
@@ -13,6 +14,7 @@ from ..config import Config
 from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
 from ..data.math_answers import parse_completion
 from ..rewards import get_reward
+from ..rewards.runtime import RewardRuntime
 from ..rollout.engine import sample
 from ..rollout.keys import completion_keys
 
@@ -71,7 +73,8 @@ def _columns(rows: list[dict] | None, answers: list, reward: str, repeat: int) -
 
 
 def score_samples(greedy: list[str], samples: list[str], answers: list[str | int | float], k: int,
-                  reward: str = "gsm8k_accuracy", rows: list[dict] | None = None) -> tuple[dict, list[bool]]:
+                  reward: str = "gsm8k_accuracy", rows: list[dict] | None = None,
+                  runtime: RewardRuntime | None = None) -> tuple[dict, list[bool]]:
     """Metrics of given completions: greedy accuracy and, when k > 1 (`samples` holds k per
     problem, in order), pass@1..k and maj@k. Returns (metrics, per-problem greedy correctness).
 
@@ -79,9 +82,11 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
     `rows` then supply the prompts and test columns). maj@k votes on the final answers as the
     `reward` check reads them (samples with no answer cast no vote; a tie goes to the answer seen
     first) and counts the problem right when that answer is right; code has no final answer to
-    vote on, so code_exec reports no maj@k.
+    vote on, so code_exec reports no maj@k. `runtime`: code_exec's sandbox (reward.code_exec).
     """
     check = get_reward(reward)
+    if reward == "code_exec":
+        check = functools.partial(check, runtime=runtime)
     n = len(answers)
     greedy_ok = [v == 1.0 for v in check(completions=greedy, **_columns(rows, answers, reward, 1))]
     out = {"greedy_accuracy": sum(greedy_ok) / n}
@@ -105,7 +110,8 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
 
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
-             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None, engine=None) -> dict:
+             reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None, engine=None,
+             runtime: RewardRuntime | None = None) -> dict:
     """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k.
 
     `reward` names the correctness check (gsm8k_accuracy or math_accuracy). maj@k takes
@@ -138,7 +144,7 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             samples += _decode(tokenizer, sample(model, chunk, engine=engine, num_generations=k,
                                                  max_new_tokens=max_new_tokens, temperature=temperature,
                                                  stop_ids=stop, pad_id=tokenizer.pad_id, keys=keys, tools=tools))
-    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows)
+    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows, runtime)
     if tools is not None:
         out["tool_calls_per_completion"] = sum(map(len, calls)) / max(1, len(calls))
     out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
@@ -149,21 +155,23 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
 
 
 def evaluate_ranks(model, tokenizer, rows: list[dict], cfg: Config, world: dist.World, tools=None,
-                   engine=None) -> dict:
+                   engine=None, runtime: RewardRuntime | None = None) -> dict:
     """`evaluate` of the trainer's held-out rows with its eval.* settings. With several ranks each evaluates
     every N-th problem and the metrics are taken over all of them (every rank gets the same numbers)."""
     e = cfg.eval
     ids = list(range(world.rank, len(rows), world.size))   # every N-th problem (all of them in one process)
-    res = evaluate(model, tokenizer, [rows[i] for i in ids], k=e.k, temperature=e.temperature,
-                   max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
-                   reward=e.reward, row_ids=ids, tools=tools, engine=engine) if ids else {"samples": []}
+    res = {"samples": []}
+    if ids:
+        res = evaluate(model, tokenizer, [rows[i] for i in ids], k=e.k, temperature=e.temperature,
+                       max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
+                       reward=e.reward, row_ids=ids, tools=tools, engine=engine, runtime=runtime)
     samples = res.pop("samples")
     if world.size == 1:
         return res
     recs = dist.unstride(dist.gather_objects(samples))   # every problem's record, in problem order
     k = len(recs[0].get("samples", [])) or 1
     out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
-                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)])
+                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)], runtime)
     if tools is not None:
         out["tool_calls_per_completion"] = sum(len(r["greedy_tool_calls"]) for r in recs) / len(recs)
     return out

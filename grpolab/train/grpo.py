@@ -32,6 +32,7 @@ from ..monitor.reward_hacking import Watch
 from ..rewards import reward_name, reward_names, wants_policy
 from ..rewards.combine import TrainerState, check_signatures
 from ..rewards.intrinsic import PolicyView
+from ..rewards.runtime import RewardRuntime
 from ..rollout.batch import RolloutBatch
 from ..rollout.prompt_feed import PromptFeed
 from ..rollout.sources import make_source
@@ -90,7 +91,9 @@ class GRPOTrainer(Trainer):
         self.logged_metrics: dict[str, list[float]] = {}          # reward functions' log_metric values, this step
         self.epoch_at_step = 0.0
         # rollout.tools: calls inside rollouts and eval (rollout/tool_decode.py); None without tools
-        self.tools = build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path)
+        # reward.timeout and reward.code_exec's sandbox, for the reward calls and the python tool
+        self.runtime = RewardRuntime.from_config(cfg.reward)
+        self.tools = build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path, self.runtime)
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [], rows=train_rows,
                          source=cfg.data.train_path or f"data.task={cfg.data.task}")
         self.feed = PromptFeed(train_rows, tokenizer, cfg.rollout, cfg.train.seed, self.plan.estimator.greedy)
@@ -99,7 +102,7 @@ class GRPOTrainer(Trainer):
                                   full_weights=sharding.full_weights)
         a, o = cfg.algorithm, cfg.optim
         self.rewards = scoring.Rewards(cfg.reward.functions, cfg.reward.weights, a.overlong_buffer, a.overlong_penalty,
-                                       cfg.rollout.max_new_tokens)
+                                       cfg.rollout.max_new_tokens, self.runtime)
         self.lp = LogProbPasses(cfg.rollout.temperature, o.logprob_chunk, o.micro_batch_size, self.plan.share_group,
                                 self.plan.sharded)
 
@@ -191,7 +194,8 @@ class GRPOTrainer(Trainer):
         """Held-out metrics, every rank's share of the problems taken together (train/evaluate.py)."""
         engine = self.source.engine_for_eval(self.model, self.step)
         with sharding.full_weights(self.model):
-            return evaluate_ranks(self.model, self.tok, self.test_rows, self.cfg, self.world, self.tools, engine)
+            return evaluate_ranks(self.model, self.tok, self.test_rows, self.cfg, self.world, self.tools, engine,
+                                  self.runtime)
 
     def train_step(self) -> dict:
         self._seed_watch()

@@ -1,4 +1,4 @@
-"""Which config changes a resume accepts.
+"""What a resume accepts: a checkpoint of the same job, and only some config changes.
 
 A resumed run must continue the run its checkpoint came from: the weights, optimizer state and data
 position were made by that checkpoint's config, and config.yaml (rewritten at every start) must keep
@@ -14,8 +14,10 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..models.checkpoint import checkpoint_job, run_config_of
+import yaml
+
+from ..errors import CheckpointError, ConfigError
+from ..models.checkpoint import RUN_CONFIG, checkpoint_job
 
 # Safe: they change how long the run goes, when it saves, evaluates and logs, and where: never what a
 # training step computes.
@@ -71,3 +73,33 @@ def check_resume_config(new: dict, ckpt: str | Path, job: str | None = None) -> 
         raise ConfigError(f"train.resume: {ckpt} was written with a different config; these keys would change "
                           f"what it continues: {', '.join(changed)}; set them back, or start a new run in another "
                           f"train.output_dir (model.init_from={ckpt} starts from its weights)")
+
+
+def run_config_of(ckpt: str | Path) -> dict | None:
+    """The config a checkpoint was written with: its run_config.yaml, or (older checkpoints) the
+    config.yaml of the run directory it sits in; None when neither exists."""
+    p = Path(ckpt)
+    for f in (p / RUN_CONFIG, p.parent.parent / "config.yaml"):
+        if f.is_file():
+            try:
+                data = yaml.safe_load(f.read_text())
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+                raise CheckpointError(f"{f}: cannot be read ({_first_line(e)})") from None
+            return data if isinstance(data, dict) else None
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_resume_job(ckpt: str | Path | None, job: str) -> None:
+    """A checkpoint to resume must come from the same job (grpo, sft, dpo, distill); ConfigError otherwise.
+    Checkpoints without a job (older GRPO ones) count as grpo."""
+    if ckpt is None:
+        return
+    found = checkpoint_job(ckpt)
+    if found != job:
+        raise ConfigError(f"train.resume: {ckpt} is a {found} checkpoint, not a {job} one; start {job} from it with "
+                          f"model.init_from={ckpt}")

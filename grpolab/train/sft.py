@@ -15,6 +15,7 @@ from ..data.tasks import arithmetic, pyfunc
 from ..errors import DataError
 from ..models.logprobs import token_logprobs
 from ..monitor.console import eta_seconds, progress_line
+from ..rewards.runtime import RewardRuntime
 from ..rollout.tool_decode import build_tool_use
 from .evaluate import evaluate
 from .offline_trainer import OfflineTrainer, total_steps
@@ -120,10 +121,10 @@ def heldout_loss(model, tokenizer, rows: list[dict], max_length: int, chunk: int
 
 def task_eval(cfg, model, tokenizer, rows: list[dict]) -> dict:
     """The task's held-out metrics (greedy accuracy, pass@k, maj@k) as eval/... keys."""
-    e = cfg.eval
+    e, runtime = cfg.eval, RewardRuntime.from_config(cfg.reward)
     res = evaluate(model, tokenizer, rows, k=e.k, temperature=e.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-                   batch_size=e.batch_size, seed=cfg.train.seed, reward=e.reward,
-                   tools=build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path))
+                   batch_size=e.batch_size, seed=cfg.train.seed, reward=e.reward, runtime=runtime,
+                   tools=build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path, runtime))
     res.pop("samples")
     return {f"eval/{k}": v for k, v in res.items()}
 

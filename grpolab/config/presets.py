@@ -2,17 +2,17 @@
 
 Every preset sets every key in PRESET_KEYS, so applying one fully determines the algorithm
 whatever was set before (YAML / CLI overrides applied afterwards still win). Keys that the
-config must provide (the trainer validates them against config.py):
+config must provide (config/validate.py checks them against config/names.py):
 
-    algorithm.adv_estimator              advantages.ADV_ESTIMATORS name
+    algorithm.adv_estimator              names.ADV_ESTIMATORS name
     algorithm.scale_rewards              group | batch | none (grpo / grpo_passk)
-    algorithm.policy_loss                losses.POLICY_LOSSES name
+    algorithm.policy_loss                names.POLICY_LOSSES name
     algorithm.epsilon                    lower clip range
     algorithm.epsilon_high               upper clip range (None = epsilon)
     algorithm.clip_ratio_c               dual-clip bound (None = off)
     algorithm.beta                       KL-in-loss coefficient (0 = no reference model)
     algorithm.kl_estimator               k1 | k2 | k3
-    algorithm.loss_agg_mode              aggregate.AGG_MODES name
+    algorithm.loss_agg_mode              names.AGG_MODES name
     algorithm.num_iterations             optimizer passes per rollout batch (mu)
     algorithm.dynamic_sampling           DAPO: drop groups whose rewards are all equal
     algorithm.overlong_buffer            DAPO soft overlong punishment buffer, in tokens (0 = off)

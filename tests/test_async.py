@@ -15,9 +15,15 @@ from conftest import ROOT, run_cli, wait_for_rows
 from test_grpo import TINY, make_trainer
 
 from grpolab.algorithms.rollout_correction import rollout_correction
+from grpolab.config.load import load_config
+from grpolab.jobs.common import setup_torch
+from grpolab.jobs.train import build_trainer
 from grpolab.models.logprobs import completion_logprobs
+from grpolab.monitor.console import Console
 from grpolab.rollout.worker_pool import weight_version
 from grpolab.rollout.worker_process import share, share_of_call
+from grpolab.train.grpo import GRPOTrainer
+from grpolab.train.run import Run
 
 SLOW_REWARD = """
 import time
@@ -283,3 +289,18 @@ def test_ctrl_c_saves_the_batches_in_flight_and_the_resume_is_exact(tmp_path):
     r = run_cli(*_args(tmp_path, stopped, "train.async_steps=2"), "train.resume=auto")
     assert r.returncode == 0, r.stderr
     _same_run(straight, stopped)
+
+
+@pytest.mark.parametrize("correction, warned", [("none", True), ("tis", False)])
+def test_async_without_a_rollout_correction_is_warned_about(tmp_path, capsys, correction, warned):
+    """Batches sampled by an older policy are trained on as if on-policy unless a correction is asked for:
+    the trainer says so once, at its start (no worker starts before the first step)."""
+    cfg = load_config(None, TINY + ["sft.steps=0", "train.async_steps=1", f"algorithm.rollout_correction={correction}",
+                                    f"train.output_dir={tmp_path}"])
+    setup_torch(cfg)
+    tr = build_trainer(cfg, Run(cfg, GRPOTrainer.job), Console())
+    tr.close()
+    said = ("warning: train.async_steps=1 with algorithm.rollout_correction=none: batches sampled by a policy up to 1 "
+            "steps old are trained on as if on-policy")
+    err = capsys.readouterr().err
+    assert (said in err) == warned, err

@@ -8,8 +8,8 @@ trainer has (eps, unbiased_std, scale_rewards, gamma, lam); each estimator ignor
 use. An entry's flags tell the trainer, once, what the estimator needs: token-level rewards (which are
 whitened over the batch, so one process), a critic, or each prompt's greedy completion.
 
-A new estimator is a function with this signature in a file of its own plus one line in ADV_ESTIMATORS
-(docs/architecture.md shows one).
+A new estimator is a function with this signature in a file of its own, one line in ADV_ESTIMATORS and its
+name in config/names.py (which the config check reads without torch; docs/architecture.md shows one).
 """
 
 from __future__ import annotations
@@ -74,13 +74,18 @@ ADV_ESTIMATORS: dict[str, Estimator] = {
 }
 
 
-def estimator(name: str) -> Estimator:
+def get_estimator(name: str) -> Estimator:
     try:
         return ADV_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown adv_estimator {name!r}; known: {', '.join(ADV_ESTIMATORS)}") from None
 
 
-def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, name: str = "grpo", **opts) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
+                       **opts) -> torch.Tensor:
     """Advantages (N,) of a group estimator for `rewards` (N,) float and `group_ids` (N,) int."""
-    return estimator(name).fn(AdvantageInputs(rewards, group_ids), **opts)[0]
+    entry = get_estimator(estimator)
+    if entry.token_level:
+        raise ValueError(f"adv_estimator {estimator!r} is token-level: it needs token rewards and a mask "
+                         f"(AdvantageInputs), not a group's rewards alone")
+    return entry.fn(AdvantageInputs(rewards, group_ids), **opts)[0]

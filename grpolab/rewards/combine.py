@@ -35,7 +35,7 @@ from .harness import (
 )
 from .runtime import RewardRuntime
 
-# RewardLog and TrainerState (rewards/calling.py) re-exported: the trainer (train/grpo.py) imports them from here
+# RewardLog and TrainerState (rewards/calling.py) re-exported: train/scoring.py and train/grpo.py import them here
 __all__ = ["RewardLog", "TrainerState", "check_signatures", "number_mean", "score"]
 
 # the largest float32: rewards, advantages and losses are float32 tensors

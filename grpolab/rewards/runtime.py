@@ -1,7 +1,7 @@
 """The reward settings a run scores under, passed explicitly: reward.timeout for each reward function's
 call, and reward.code_exec's sandbox (the code_exec reward's programs and the python tool's).
 
-Built once from the config (`RewardRuntime.from_config`, then `check`ed: jobs/inputs.configure_rewards) and
+Built from the config (`RewardRuntime.from_config`; `check`ed once per run by jobs/inputs.configure_rewards) and
 handed to `combine.score`, `code_exec` and the tool loader. A default-constructed one holds the schema's
 defaults."""
 

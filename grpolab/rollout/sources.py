@@ -3,8 +3,8 @@ never asks which it has. rollout.engine names the source in the trainer's proces
 rollout_workers hand sampling to worker processes (which run rollout.engine's vLLM themselves when asked).
 
 A source is a RolloutSource (rollout/source.py) whose constructor takes
-`(cfg, model, feed, world, progress, *, tools, console, full_weights)`; a new one is a file of its own plus
-one line in SOURCES (docs/architecture.md shows one)."""
+`(cfg, model, feed, world, progress, *, tools, console, full_weights)`; a new one is a file of its own, one
+line in SOURCES and its name in config/names.py's ROLLOUT_ENGINES (docs/architecture.md shows one)."""
 
 from __future__ import annotations
 

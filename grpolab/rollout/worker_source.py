@@ -43,6 +43,10 @@ class WorkerSource(RolloutSource):
         self.next_batch = 1                      # the next batch to request (batch t: the batch of step t)
         self.in_flight: dict[int, dict] = {}     # requested, not yet trained on: rows, version, epoch
         self.ready: dict[int, tuple] = {}        # arrived before they were needed (or from a checkpoint)
+        if self.k and cfg.algorithm.rollout_correction == "none" and console is not None and world.main:
+            console.warn(f"train.async_steps={self.k} with algorithm.rollout_correction=none: batches sampled "
+                         f"by a policy up to {self.k} steps old are trained on as if on-policy; "
+                         f"algorithm.rollout_correction=tis (or mis) corrects for it")
 
     def publish(self, model, version: int) -> None:
         self.published = version
@@ -64,6 +68,7 @@ class WorkerSource(RolloutSource):
         t1 = time.perf_counter()
         got = (self.ready.pop(s) if s in self.ready else self._take(s, step)) if main else None
         gens, times = dist.broadcast_object(got)
+        wait_s = time.perf_counter() - t1
         meta = self.in_flight.pop(s)
         rows = meta["rows"]
         if self.world.size > 1:   # this rank's share: whole groups, in order (as the built-in source splits)
@@ -71,7 +76,7 @@ class WorkerSource(RolloutSource):
             rows = rows[share]
             gens = [g.rows(share.start * r, share.stop * r) for g, r in zip(gens, self.feed.rows_per_prompt())]
         batch = self.feed.batch(rows, [g.to(self.device) for g in gens], meta["version"])
-        metrics = {"time/rollout_wait": time.perf_counter() - t1, "time/weight_sync": sync_s, **times}
+        metrics = {"time/rollout_wait": wait_s, "time/weight_sync": sync_s, **times}
         if start_s is not None:   # the first step of this process (inside its time/step)
             metrics["time/worker_start"] = start_s
         # how far behind the policy that sampled this batch was, in optimizer steps
@@ -130,7 +135,7 @@ class WorkerSource(RolloutSource):
         """trainer_state.json's "async": the clock and the batches in flight (which it waits for first)."""
         for b in sorted(self.in_flight):
             if b not in self.ready:
-                self.ready[b] = self._take(b, b - 1)
+                self.ready[b] = self._take(b, self.published + 1)   # (the trainer has done one more step)
         return {"async": {"async_steps": self.k, "next_batch": self.next_batch,
                           "in_flight": {str(b): m for b, m in self.in_flight.items()}}}
 

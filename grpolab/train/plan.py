@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import distributed as dist
-from ..algorithms.estimators import Estimator, estimator
+from ..algorithms.estimators import Estimator, get_estimator
 from ..config import Config
 from ..errors import ConfigError
 from ..rewards import wants_policy
@@ -40,7 +40,7 @@ def build_plan(cfg: Config, world_size: int, lora: bool) -> Plan:
     share = cfg.optim.share_prompt and world_size == 1 and not cfg.model.gradient_checkpointing
     return Plan(reference="none" if a.beta == 0 else ("adapters_off" if lora else "frozen"),
                 kl="none" if a.beta == 0 else ("reward" if a.kl_in_reward else "loss"),
-                estimator=estimator(a.adv_estimator), correction=a.rollout_correction,
+                estimator=get_estimator(a.adv_estimator), correction=a.rollout_correction,
                 sharded=cfg.train.strategy == "fsdp" and world_size > 1,
                 share_group=cfg.rollout.num_generations if share else 0)
 

@@ -14,6 +14,10 @@ from ..rollout.batch import RolloutBatch
 from ..rollout.tool_decode import tool_metrics
 from .batch_advantages import scorable
 
+# the rollout sources' metrics in the order the rows have always had them; others follow
+SOURCE_ORDER = ["time/generate", "async/weight_version", "async/staleness", "time/rollout_wait", "time/worker_idle",
+                "time/weight_sync", "time/worker_start"]
+
 
 def reward_metrics(batch: RolloutBatch, stats: dict, world: dist.World, name: Callable[[str], str]) -> dict:
     """reward, reward_std, frac_reward_zero_std and each function's mean and std (NaN rows left out)."""
@@ -66,8 +70,10 @@ def step_metrics(step: int, batch: RolloutBatch, stats: dict, update: dict, kl: 
     metrics["completions/clipped_ratio"] = float(glob(batch.gen.truncated.float().cpu()).mean())
     if tools is not None:
         metrics.update(tool_metrics(batch.gen.tool_calls, list(tools.runner.tools), glob))
-    # the rollout source's own: time/generate, and e.g. async/*, time/weight_sync, time/rollout_wait
-    metrics.update({k: v for k, v in stats.items() if k.startswith(("time/", "async/")) and k != "time/reward"})
+    # the rollout source's own: time/generate, and e.g. async/*, time/rollout_wait, time/weight_sync
+    source = {k: v for k, v in stats.items() if k.startswith(("time/", "async/")) and k != "time/reward"}
+    metrics.update(sorted(source.items(), key=lambda kv: SOURCE_ORDER.index(kv[0]) if kv[0] in SOURCE_ORDER
+                          else len(SOURCE_ORDER)))
     metrics["time/reward"] = stats["time/reward"]
     metrics["time/ref_and_advantages"] = t2 - t1
     metrics["time/update"] = t3 - t2

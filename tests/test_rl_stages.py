@@ -10,8 +10,10 @@ from test_grpo import make_trainer
 from grpolab import distributed as dist
 from grpolab.algorithms.estimators import ADV_ESTIMATORS
 from grpolab.config.load import load_config
+from grpolab.errors import ConfigError
 from grpolab.models.logprobs import completion_logprobs
 from grpolab.rewards.combine import TrainerState
+from grpolab.rollout.source import RolloutSource
 from grpolab.train import policy_update, scoring
 from grpolab.train.batch_advantages import advantages
 from grpolab.train.collect import collect
@@ -152,3 +154,14 @@ def test_collect_keeps_the_informative_groups_with_dynamic_sampling(trainer):
     assert got.batch.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert got.stats["frac_reward_zero_std"] == pytest.approx(2 / 3)
     assert got.logged == {"m": [1.0, 1.0, 1.0]} and calls == [got.epoch] * 3
+
+
+def test_a_checkpoint_sampled_ahead_resumes_only_on_its_clock(tmp_path):
+    """Every source refuses a checkpoint whose batches in flight came from another train.async_steps."""
+    ahead = {"async": {"async_steps": 2, "next_batch": 5, "in_flight": {}}}
+    with pytest.raises(ConfigError) as e:
+        RolloutSource().restore(ahead, tmp_path, 3)
+    assert str(e.value) == (f"train.async_steps: {tmp_path} was written with train.async_steps=2; resume it with "
+                            f"the same value (this run has 0)")
+    RolloutSource().restore({"async": {"async_steps": 0, "next_batch": 4, "in_flight": {}}}, tmp_path, 3)
+    RolloutSource().restore({}, tmp_path, 3)

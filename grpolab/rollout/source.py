@@ -35,6 +35,14 @@ def diverged(step: int) -> TrainingError:
                          f"from an earlier checkpoint")
 
 
+def check_clock(saved: dict | None, k: int, ckpt: Path) -> None:
+    """A checkpoint's batches in flight (`saved`: its "async", None without) were sampled on its
+    train.async_steps clock: a resume keeps that clock."""
+    if saved and saved["async_steps"] != k:
+        raise ConfigError(f"train.async_steps: {ckpt} was written with train.async_steps={saved['async_steps']}; "
+                          f"resume it with the same value (this run has {k})")
+
+
 class RolloutSource:
     """The interface, with the defaults of a source that keeps nothing between steps."""
     saves_files = False   # save(path) writes files into a checkpoint
@@ -56,10 +64,7 @@ class RolloutSource:
 
     def restore(self, state: dict, ckpt: Path, step: int) -> None:
         """A checkpoint whose batches were sampled ahead (train.async_steps > 0) resumes only on that clock."""
-        saved = state.get("async")
-        if saved and saved["async_steps"]:
-            raise ConfigError(f"train.async_steps: {ckpt} was written with train.async_steps={saved['async_steps']}; "
-                              f"resume it with the same value (this run has 0)")
+        check_clock(state.get("async"), 0, ckpt)
 
     def close(self) -> None:
         pass

@@ -18,12 +18,12 @@ import torch
 
 from .. import distributed as dist
 from ..config import Config
-from ..errors import ConfigError, TrainingError
+from ..errors import TrainingError
 from ..models.checkpoint import load_plain
 from ..monitor.console import Console, StepProgress
 from .generation import Generation
 from .prompt_feed import PromptFeed, rank_share
-from .source import RolloutSource, Taken, diverged
+from .source import RolloutSource, Taken, check_clock, diverged
 from .vllm_source import vllm_options
 from .worker_pool import STOPPED, WorkerError, WorkerPool, weight_version
 
@@ -147,9 +147,7 @@ class WorkerSource(RolloutSource):
     def restore(self, state: dict, ckpt: Path, step: int) -> None:
         """Put back the clock and the batches in flight of a checkpoint (none in one written without workers)."""
         saved = state.get("async") or {"async_steps": 0, "next_batch": step + 1, "in_flight": {}}
-        if saved["async_steps"] != self.k:   # the batches in flight were sampled on another clock
-            raise ConfigError(f"train.async_steps: {ckpt} was written with train.async_steps={saved['async_steps']}; "
-                              f"resume it with the same value (this run has {self.k})")
+        check_clock(saved, self.k, ckpt)
         self.next_batch = saved["next_batch"]
         self.in_flight = {int(b): m for b, m in saved["in_flight"].items()}
         self.published = step

@@ -149,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
                         "clients retry (default 4096)")
     v.add_argument("--max-request-bytes", type=_positive, default=None,
                    help="largest request body; a larger one is a 413 before it is read (default 8388608, 8 MiB)")
+    v.add_argument("--prefix-cache-gib", type=float, default=1.0,
+                   help="memory for the keys and values of prompt prefixes already seen, reused by later prompts "
+                        "that start the same way (default 1.0; 0: prefix caching off). Llama-family models only")
 
     g = sub.add_parser("generate", help="offline batch generation for a jsonl of prompts (resumable)")
     g.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")

@@ -56,11 +56,13 @@ def build_tokenizer(texts: list[str] | None = None, vocab_size: int = 512):
 
 def build_tiny_llama(vocab_size: int, hidden: int = 128, layers: int = 4, heads: int = 4,
                      intermediate: int = 512, max_positions: int = 1024, seed: int = 0,
-                     eos_token_id: int | None = None, pad_token_id: int | None = None):
+                     eos_token_id: int | None = None, pad_token_id: int | None = None,
+                     kv_heads: int | None = None):
+    """A random Llama; `kv_heads` (default: `heads`) fewer than `heads` gives grouped-query attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=intermediate,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads, intermediate_size=intermediate,
                       max_position_embeddings=max_positions, tie_word_embeddings=True,
                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)

@@ -27,12 +27,14 @@ from typing import Callable
 
 import torch
 
+from ..models.lean_prefill import packed_prefill
 from ..rollout import logits_processors as lp
 from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
 from ..rollout.structured import Constraint, Grammars
 from ..utils.padding import pad_sequences
 from . import kv_cache
+from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprob, prompt_logprobs
 
 # a frame is rebuilt tighter once this many leading columns are padding for every row
@@ -175,10 +177,12 @@ class Job:
 
 
 class Batcher:
-    def __init__(self, model, tok, *, max_batch: int = 64, context: int, decoder=None) -> None:
+    def __init__(self, model, tok, *, max_batch: int = 64, context: int, decoder=None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.tok = model, tok
         self.max_batch, self.context = max_batch, context
         self.decoder = decoder
+        self.prefix_cache = prefix_cache   # only with a decoder (its packed prefill fills and reads it)
         self.stop_ids = set(tok.stop_ids)
         self.grammars = Grammars(tok)   # structured output's compiled constraints, for this tokenizer
         self.device = next(model.parameters()).device
@@ -325,7 +329,9 @@ class Batcher:
         ids, valid = pad_sequences([j.prompt_ids for j in new], self.tok.pad_id, "left")
         # an empty batch: the new rows' cache is the frame (room to decode); else a prompt-sized one, placed
         cache = kv_cache.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
-        if new[0].prompt_logprobs is None:
+        if new[0].prompt_logprobs is None and self.decoder is not None:
+            logits = self._prefill_packed(new, cache, width)
+        elif new[0].prompt_logprobs is None:
             logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
         else:   # every position's logits: each prompt's scores, then its last position's for sampling
             full = self.model(ids.to(self.device), key_valid=valid.to(self.device), cache=cache, logits_to_keep=0)
@@ -354,6 +360,23 @@ class Batcher:
         self.rows += rows
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []
+
+    def _prefill_packed(self, new: list[Job], cache, width: int) -> torch.Tensor:
+        """Prefill `new`'s prompts without padding (models/lean_prefill.py), reusing cached prefixes, into
+        `cache` (a frame of `width` prompt columns, each prompt ending at the last); their last logits."""
+        prompts = [j.prompt_ids for j in new]
+        pc = self.prefix_cache
+        prefixes = [pc.lookup(p) if pc is not None else None for p in prompts]
+        hit = [0 if p is None else p.size(2) for p in prefixes]
+        kvs, logits = packed_prefill(self.decoder, [p[h:] for p, h in zip(prompts, hit)], prefixes)
+        for r, (p, kv) in enumerate(zip(prompts, kvs)):
+            cache.kv[:, r, :, width - len(p):width] = kv
+            cache.bias[r, width - len(p):width] = 0.0
+            if pc is not None:
+                pc.store(p, kv)
+        cache.count = torch.tensor([len(p) for p in prompts], device=self.device)
+        cache.pos = width
+        return logits.float()
 
     def _same_prefill(self, new: list[Job], job: Job) -> bool:
         """Whether `job` joins the prefill of `new`: a prefill keeps either every position's logits (jobs that

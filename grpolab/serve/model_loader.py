@@ -11,11 +11,14 @@ from ..models.hf import HFPolicy
 from ..models.lean_decode import LeanDecoder, unsupported_reason
 from ..models.lora import has_lora
 from .batcher import Batcher
+from .prefix_cache import PrefixCache
 
 
 def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | None = None,
-                dtype: str = "float32", device: str = "cpu") -> tuple[Batcher, object, int]:
-    """(batcher, tokenizer, context length) for a checkpoint or model directory."""
+                dtype: str = "float32", device: str = "cpu", prefix_cache_gib: float = 0.0
+                ) -> tuple[Batcher, object, int]:
+    """(batcher, tokenizer, context length) for a checkpoint or model directory. `prefix_cache_gib`: memory
+    for cached prompt prefixes (serve/prefix_cache.py; 0: none), used where the lean decoder applies."""
     if max_batch < 1:
         raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
     model, tok = load_model(model_path, dtype=dtype, device=device)
@@ -41,4 +44,5 @@ def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | No
             if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
                 raise ConfigError(f"{model_path}: {model.config.model_type} uses sliding-window (or other special) "
                                   f"cache layers, which continuous batching does not support yet")
-    return Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder), tok, context
+    prefix = PrefixCache(int(prefix_cache_gib * 2**30)) if decoder is not None and prefix_cache_gib > 0 else None
+    return Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder, prefix_cache=prefix), tok, context

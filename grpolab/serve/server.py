@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import math
 import socket
 import sys
 
@@ -17,6 +18,8 @@ from .model_loader import load_engine
 from .requests import MAX_REQUEST_BYTES, MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
 
 MAX_PORT = 65535
+# memory for cached prompt prefixes (serve/prefix_cache.py); 0 turns prefix caching off
+PREFIX_CACHE_GIB = 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -53,7 +56,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
           name: str | None = None, max_model_len: int | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", api_key: str | None = None,
           max_rows_per_request: int | None = None, max_waiting: int | None = None,
-          max_request_bytes: int | None = None) -> None:
+          max_request_bytes: int | None = None, prefix_cache_gib: float = PREFIX_CACHE_GIB) -> None:
     try:
         import uvicorn
 
@@ -66,6 +69,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
         raise ConfigError(f"--port must be between 0 and {MAX_PORT}, got {port}")
     if max_rows_per_request < 1 or max_waiting < 1 or max_request_bytes < 1:
         raise ConfigError("--max-rows-per-request, --max-waiting and --max-request-bytes must be >= 1")
+    if not (prefix_cache_gib >= 0 and math.isfinite(prefix_cache_gib)):
+        raise ConfigError(f"--prefix-cache-gib must be a finite number >= 0 (0: off), got {prefix_cache_gib}")
     if max_rows_per_request > max_waiting:   # such a request could never be queued: a 429 forever
         raise ConfigError(f"--max-rows-per-request ({max_rows_per_request}) must not exceed --max-waiting "
                           f"({max_waiting})")
@@ -75,13 +80,14 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
     sock = bind(host, port)   # before the load: a port in use fails at once
     try:
         batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
-                                            dtype=dtype, device=device)
+                                            dtype=dtype, device=device, prefix_cache_gib=prefix_cache_gib)
         server = Server(batcher, tok, name or model_path, context, max_rows_per_request=max_rows_per_request,
                         max_waiting=max_waiting, api_key=api_key, max_request_bytes=max_request_bytes)
         shown = f"[{host.strip('[]')}]" if ":" in host else host
         print(f"grpolab: serving {server.name!r} (context {context} tokens, max batch {max_batch}, at most "
               f"{max_rows_per_request} rows per request and {max_waiting} waiting, bodies up to "
-              f"{max_request_bytes} bytes"
+              f"{max_request_bytes} bytes, prefix cache "
+              f"{f'{prefix_cache_gib:g} GiB' if batcher.prefix_cache is not None else 'off'}"
               f"{', API key required' if api_key else ''}) at http://{shown}:{sock.getsockname()[1]}/v1", flush=True)
         config = uvicorn.Config(create_app(server), host=host, port=sock.getsockname()[1], log_level=log_level)
         runner = uvicorn.Server(config)

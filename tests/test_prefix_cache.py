@@ -1,0 +1,120 @@
+"""The server's packed prefill (models/lean_prefill.py) and prefix cache (serve/prefix_cache.py), on a real
+tiny Llama: a prompt's keys, values and logits are its own (the same bits alone, packed with others, or
+continued from its cached prefix), they agree with the model's Hugging Face forward, and a batcher with the
+cache gives the same tokens as one without while prefilling fewer positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpolab.data.tasks import arithmetic
+from grpolab.models.hf import load_hf
+from grpolab.models.lean_decode import LeanDecoder
+from grpolab.models.lean_prefill import packed_prefill
+from grpolab.models.tiny_hf import save_tiny_model
+from grpolab.serve.batcher import Batcher, Job, SamplingParams
+from grpolab.serve.prefix_cache import BLOCK, PrefixCache
+
+QUESTIONS = [r["prompt"] for r in arithmetic.generate("test", 16, seed=4)]
+SYSTEM = "You are a careful calculator. Think, then answer after ####. " * 2
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = save_tiny_model(tmp_path_factory.mktemp("llama"), [SYSTEM] + [q + "\n#### 3" for q in QUESTIONS],
+                        vocab_size=300, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64)
+    model, tok = load_hf(str(d))
+    model.eval()
+    with torch.no_grad():
+        model.hf.lm_head.weight.mul_(3)   # tied to the embeddings: a mild scale, so greedy text varies
+        decoder = LeanDecoder(model.hf, 512)
+    return model, tok, decoder
+
+
+def _prompts(tok, n):
+    return [tok.encode(SYSTEM + q) for q in QUESTIONS[:n]]
+
+
+@torch.inference_mode()
+def test_packed_prefill_is_each_prompts_own_and_agrees_with_the_hf_forward(llama):
+    model, tok, d = llama
+    prompts = _prompts(tok, 5)
+    prompts[1] = prompts[1][:7]   # lengths differ a lot
+    kvs, logits = packed_prefill(d, prompts, [None] * len(prompts))
+    for i, p in enumerate(prompts):
+        kv1, logits1 = packed_prefill(d, [p], [None])   # alone
+        assert torch.equal(kv1[0], kvs[i]) and torch.equal(logits1[0], logits[i])
+        out = model.hf(torch.tensor([p]), use_cache=True)
+        assert torch.allclose(logits[i], out.logits[0, -1], atol=1e-5, rtol=1e-5)
+        past = out.past_key_values
+        for layer in range(d.n_layer):   # HF's cache: (1, kv heads, positions, D), keys rotated
+            hk, hv = past.layers[layer].keys[0], past.layers[layer].values[0]
+            assert torch.allclose(kvs[i][layer, :d.n_kv], hk, atol=1e-5)
+            assert torch.allclose(kvs[i][layer, d.n_kv:], hv, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_cached_prefix_continues_to_the_same_bits_as_a_cold_prefill(llama):
+    _, tok, d = llama
+    p = _prompts(tok, 1)[0]
+    assert len(p) > 2 * BLOCK
+    (kv,), logits = packed_prefill(d, [p], [None])
+    for cut in (BLOCK, 2 * BLOCK, len(p) - 1):
+        (kv2,), logits2 = packed_prefill(d, [p[cut:]], [kv[:, :, :cut].clone()])
+        assert torch.equal(kv2, kv) and torch.equal(logits2, logits)
+
+
+def test_the_prefix_cache_finds_whole_blocks_keeps_the_last_token_and_evicts_the_least_recent():
+    def kv(n, fill):   # (layers, 2 KV, n, D) with each position's value its index plus `fill`
+        return (torch.arange(n, dtype=torch.float32)[None, None, :, None] + fill).expand(2, 4, n, 3).contiguous()
+    block_bytes = 2 * 4 * BLOCK * 3 * 4
+    c = PrefixCache(max_bytes=4 * block_bytes)
+    a = list(range(100, 100 + 3 * BLOCK + 5))
+    assert c.lookup(a) is None
+    c.store(a, kv(len(a), 0.0))
+    assert c.bytes == 3 * block_bytes and len(c.blocks) == 3
+    got = c.lookup(a)
+    assert got.shape == (2, 4, 3 * BLOCK, 3) and torch.equal(got, kv(3 * BLOCK, 0.0))
+    # a prompt of exactly 3 blocks: its last token is prefilled, so only 2 blocks come from the cache
+    assert c.lookup(a[:3 * BLOCK]).size(2) == 2 * BLOCK
+    # the same second block after a different first block is a different prefix
+    b = [7] * BLOCK + a[BLOCK:]
+    assert c.lookup(b) is None
+    # a shares its first block with e: one new block; the budget (4 blocks) then evicts a's oldest use
+    e = a[:BLOCK] + [9] * (BLOCK + 1)
+    c.store(e, kv(len(e), 50.0))
+    assert len(c.blocks) == 4 and c.bytes == 4 * block_bytes
+    got = c.lookup(e)   # a's first block, then e's own second block (positions 16..31 of e's values)
+    assert torch.equal(got[:, :, :BLOCK], kv(BLOCK, 0.0)) and torch.equal(got[:, :, BLOCK:], kv(BLOCK, 50.0 + BLOCK))
+    f = [5] * (2 * BLOCK + 1)
+    c.store(f, kv(len(f), 0.0))   # two new blocks: the two least recently used go (a's 2nd and 3rd)
+    assert len(c.blocks) == 4 and c.bytes == 4 * block_bytes
+    assert c.lookup(a).size(2) == BLOCK and c.lookup(f).size(2) == 2 * BLOCK
+
+
+def _run(model, tok, d, prompts, params, cache):
+    b = Batcher(model, tok, max_batch=6, context=512, decoder=d, prefix_cache=cache)
+    jobs = [Job(p, params, draw=i) for i, p in enumerate(prompts)]
+    for j in jobs:   # one job per step: rows join a running batch
+        b.submit(j)
+        b.step()
+    while not b.idle():
+        b.step()
+    return [[c.tokens for c in j.choices] for j in jobs]
+
+
+def test_a_batcher_with_the_prefix_cache_samples_the_same_tokens(llama):
+    model, tok, d = llama
+    prompts = _prompts(tok, 8)
+    for params in (SamplingParams(max_tokens=12, temperature=0.0),
+                   SamplingParams(max_tokens=12, temperature=1.0, top_k=20, n=2, seed=3)):
+        plain = _run(model, tok, d, prompts, params, None)
+        cache = PrefixCache(2**30)
+        first = _run(model, tok, d, prompts, params, cache)
+        hits_first = cache.hits
+        again = _run(model, tok, d, prompts, params, cache)   # every prompt's blocks are cached now
+        assert first == plain and again == plain
+        shared = len(tok.encode(SYSTEM)) // BLOCK * BLOCK
+        assert hits_first >= (len(prompts) - 1) * shared > 0   # the system prompt, after the first prompt
+        assert cache.hits - hits_first == sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)

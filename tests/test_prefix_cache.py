@@ -5,8 +5,10 @@ cache gives the same tokens as one without while prefilling fewer positions."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
+from conftest import running_server
 
 from grpolab.data.tasks import arithmetic
 from grpolab.models.hf import load_hf
@@ -29,7 +31,7 @@ def llama(tmp_path_factory):
     with torch.no_grad():
         model.hf.lm_head.weight.mul_(3)   # tied to the embeddings: a mild scale, so greedy text varies
         decoder = LeanDecoder(model.hf, 512)
-    return model, tok, decoder
+    return model, tok, decoder, d
 
 
 def _prompts(tok, n):
@@ -38,7 +40,7 @@ def _prompts(tok, n):
 
 @torch.inference_mode()
 def test_packed_prefill_is_each_prompts_own_and_agrees_with_the_hf_forward(llama):
-    model, tok, d = llama
+    model, tok, d, _ = llama
     prompts = _prompts(tok, 5)
     prompts[1] = prompts[1][:7]   # lengths differ a lot
     kvs, logits = packed_prefill(d, prompts, [None] * len(prompts))
@@ -56,7 +58,7 @@ def test_packed_prefill_is_each_prompts_own_and_agrees_with_the_hf_forward(llama
 
 @torch.inference_mode()
 def test_a_cached_prefix_continues_to_the_same_bits_as_a_cold_prefill(llama):
-    _, tok, d = llama
+    _, tok, d, _ = llama
     p = _prompts(tok, 1)[0]
     assert len(p) > 2 * BLOCK
     (kv,), logits = packed_prefill(d, [p], [None])
@@ -105,7 +107,7 @@ def _run(model, tok, d, prompts, params, cache):
 
 
 def test_a_batcher_with_the_prefix_cache_samples_the_same_tokens(llama):
-    model, tok, d = llama
+    model, tok, d, _ = llama
     prompts = _prompts(tok, 8)
     for params in (SamplingParams(max_tokens=12, temperature=0.0),
                    SamplingParams(max_tokens=12, temperature=1.0, top_k=20, n=2, seed=3)):
@@ -118,3 +120,48 @@ def test_a_batcher_with_the_prefix_cache_samples_the_same_tokens(llama):
         shared = len(tok.encode(SYSTEM)) // BLOCK * BLOCK
         assert hits_first >= (len(prompts) - 1) * shared > 0   # the system prompt, after the first prompt
         assert cache.hits - hits_first == sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+
+
+def _prefix_counts(url: str) -> dict[str, float]:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {k: float(v) for k, v in (line.split() for line in lines if line.startswith("grpolab:prefix_cache_"))}
+
+
+def test_the_server_reuses_prefixes_and_says_so_in_metrics_with_an_off_switch(llama):
+    *_, model_dir = llama
+    body = {"model": str(model_dir), "prompt": SYSTEM + QUESTIONS[0], "max_tokens": 8, "temperature": 1.0, "seed": 4}
+    texts = {}
+    for args in ((), ("--prefix-cache-gib", "0")):
+        with running_server(model_dir, *args) as (url, _):
+            got = [httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                   for _ in range(2)]
+            texts[args] = got
+            counts = _prefix_counts(url)
+        if args:
+            assert counts == {}   # off: no cache, no counters
+        else:
+            n = counts["grpolab:prefix_cache_queries_total"] / 2   # the prompt's tokens, looked up twice
+            assert counts["grpolab:prefix_cache_hits_total"] == (n - 1) // BLOCK * BLOCK > 0   # the second request's
+    assert texts[()][0] == texts[()][1] == texts[("--prefix-cache-gib", "0")][0]
+
+
+def test_rows_join_and_leave_the_lean_frame_without_copying_the_others(llama):
+    model, tok, d, _ = llama
+    prompts = _prompts(tok, 8)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=1)
+    b = Batcher(model, tok, max_batch=4, context=512, decoder=d, prefix_cache=PrefixCache(2**30))
+    jobs = [Job(p, params, draw=i) for i, p in enumerate(prompts)]
+    frames, moved, pending = set(), 0, list(jobs)
+    while pending or not b.idle():
+        if pending:
+            b.submit(pending.pop(0))
+        before = [id(job) for job, _ in b.rows]
+        b.step()
+        after = [id(job) for job, _ in b.rows]
+        stayed = [r for r in after if r in before]
+        moved += stayed != [r for r in before if r in stayed]   # a row took a leaver's place
+        frames.add(id(getattr(b.cache, "frame", None)))
+    assert len(frames) < len(jobs) / 2   # joins copy into the frame they find
+    assert moved > 0                      # rows left by a move, not a copy of the batch
+    # job 0 (draw 0) alone, with no cache to share
+    assert [c.tokens for c in jobs[0].choices] == _run(model, tok, d, prompts[:1], params, None)[0]

@@ -272,29 +272,32 @@ class Batcher:
         # Dropping rows copies the whole cache, so finished rows stay (decoding tokens nobody reads) until
         # a quarter of the batch has finished, or one of them would run past the context.
         dead = len(self.rows) - len(going)
+        order = None   # the batch's rows as indices into `tokens`, when some left
         if not going or dead * 4 >= len(self.rows) or (dead and int(self.cache.count.max()) >= self.context - 1):
-            self._keep(going)
+            order = self._keep(going)
         if self.rows:
-            compacted = len(self.rows) < tokens.numel()
             cols = kv_cache.width(self.cache)
             if cols is not None and kv_cache.write_pos(self.cache) >= cols:   # full: grow the frame
                 live = max(self._remaining(j, c) for j, c in self.rows if not c.done)
                 self.cache = kv_cache.place(self.cache, cols, cols + min(live, GROW))
-            self.logits = self._forward((tokens[going] if compacted else tokens)[:, None])
+            self.logits = self._forward((tokens if order is None else tokens[order])[:, None])
 
     def _forward(self, ids: torch.Tensor, key_valid: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         return self.model(ids, key_valid=key_valid, cache=cache if cache is not None else self.cache,
                           logits_to_keep=1)[:, -1].float()
 
-    def _keep(self, idx: list[int]) -> None:
+    def _keep(self, idx: list[int]) -> list[int] | None:
+        """Keep the rows `idx`; returns the order they are in now (indices into the old rows; kv_cache.keep
+        may move rows), or None when every row stays."""
         if len(idx) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in idx]
-        if not self.rows:
-            self.cache, self.logits = None, None
-            return
-        rows = torch.tensor(idx, device=self.device)
-        self.cache, self.logits = self.cache.select(rows), self.logits[rows]
+            return None
+        if not idx:
+            self.rows, self.cache, self.logits = [], None, None
+            return idx
+        self.cache, order = kv_cache.keep(self.cache, idx)
+        self.rows = [self.rows[i] for i in order]
+        self.logits = self.logits[torch.tensor(order, device=self.device)]
+        return order
 
     def _remaining(self, job: Job, choice: Choice) -> int:
         return job.params.max_tokens - len(choice.tokens)
@@ -356,7 +359,7 @@ class Batcher:
             pos = max(used, width)
             cols = None if cols is None else pos + room
             self.cache = kv_cache.place(self.cache, pos, cols)
-        self.cache = kv_cache.join(self.cache, kv_cache.place(cache, pos, cols))
+        self.cache = kv_cache.join(self.cache, kv_cache.place(cache, pos, cols), self.max_batch)
         self.rows += rows
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []

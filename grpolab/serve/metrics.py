@@ -10,6 +10,8 @@ names its own with the `grpolab:` prefix where the meaning is the same:
 - grpolab:e2e_request_latency_seconds             a generation request's time, arrival to last byte
 - grpolab:time_to_first_token_seconds             a prompt's time from arrival to the end of its prefill
                                                    (its first token is sampled from that prefill's logits)
+- grpolab:prefix_cache_queries_total              prompt tokens looked up in the prefix cache (when it is on)
+- grpolab:prefix_cache_hits_total                 of those, tokens whose keys and values came from the cache
 
 Each app has its own CollectorRegistry, so servers (or tests) in one process never share counts.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 # seconds; vLLM's buckets for the same histograms, cut to what a CPU server sees
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -46,6 +49,8 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("grpolab:time_to_first_token_seconds", "Time from arrival to the end of the prefill",
                               buckets=TTFT_BUCKETS, registry=r)
+        if batcher.prefix_cache is not None:
+            r.register(_PrefixCacheCounts(batcher.prefix_cache))
 
     def answered(self, start: float, jobs, usage: dict) -> None:
         """A generation request that began at time.monotonic() `start` has been answered in full."""
@@ -58,6 +63,19 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCounts:
+    """The prefix cache's own token counts, read at each scrape (vLLM's prefix_cache_queries and _hits)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        yield CounterMetricFamily("grpolab:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=self.cache.queries)
+        yield CounterMetricFamily("grpolab:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=self.cache.hits)
 
 
 class CountRequests:

@@ -11,11 +11,11 @@ from ..models.hf import HFPolicy
 from ..models.lean_decode import LeanDecoder, unsupported_reason
 from ..models.lora import has_lora
 from .batcher import Batcher
-from .prefix_cache import PrefixCache
+from .prefix_cache import DEFAULT_GIB, PrefixCache
 
 
 def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | None = None,
-                dtype: str = "float32", device: str = "cpu", prefix_cache_gib: float = 0.0
+                dtype: str = "float32", device: str = "cpu", prefix_cache_gib: float = DEFAULT_GIB
                 ) -> tuple[Batcher, object, int]:
     """(batcher, tokenizer, context length) for a checkpoint or model directory. `prefix_cache_gib`: memory
     for cached prompt prefixes (serve/prefix_cache.py; 0: none), used where the lean decoder applies."""

@@ -16,6 +16,7 @@ from collections import OrderedDict
 import torch
 
 BLOCK = 16   # tokens per cached block (vLLM's default block size)
+DEFAULT_GIB = 1.0   # memory for cached blocks by default (`grpolab serve --prefix-cache-gib`; 0: off)
 
 
 class PrefixCache:

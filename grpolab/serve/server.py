@@ -15,11 +15,10 @@ import sys
 from ..errors import ConfigError
 from .api import create_app
 from .model_loader import load_engine
+from .prefix_cache import DEFAULT_GIB
 from .requests import MAX_REQUEST_BYTES, MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
 
 MAX_PORT = 65535
-# memory for cached prompt prefixes (serve/prefix_cache.py); 0 turns prefix caching off
-PREFIX_CACHE_GIB = 1.0
 
 
 def is_loopback(host: str) -> bool:
@@ -56,7 +55,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
           name: str | None = None, max_model_len: int | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", api_key: str | None = None,
           max_rows_per_request: int | None = None, max_waiting: int | None = None,
-          max_request_bytes: int | None = None, prefix_cache_gib: float = PREFIX_CACHE_GIB) -> None:
+          max_request_bytes: int | None = None, prefix_cache_gib: float = DEFAULT_GIB) -> None:
     try:
         import uvicorn
 

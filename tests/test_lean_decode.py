@@ -10,7 +10,8 @@ import torch
 from conftest import randomize_lora_b
 
 from grpolab.models.hf import HFCache, HFPolicy
-from grpolab.models.lean_decode import LeanCache, _Linear, unsupported_reason
+from grpolab.models.lean_decode import LeanCache, LeanDecoder, _Linear, unsupported_reason
+from grpolab.models.lean_prefill import packed_prefill
 from grpolab.rollout.engine import generate
 from grpolab.utils.padding import pad_sequences
 
@@ -273,3 +274,24 @@ def test_prepacked_linear_rows_do_not_depend_on_the_batch(threads):
         assert not _Linear(w.bfloat16(), None).packed
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_prefill_equals_hf_forward_and_continues_a_prefix(kind):
+    """The server's packed prefill (models/lean_prefill.py) on every supported kind (qwen3's per-head norms,
+    biases, rope scaling, GQA): each prompt's last logits and keys/values as HF's forward of it alone, and
+    a prompt continued from its own first positions' keys and values the same bits as prefilled whole."""
+    hf = _tiny(kind)
+    _perturb(hf)
+    prompts = [[5, 6, 7, 8, 9, 10, 3, 4], [11, 12], [13, 14, 15, 16, 17]]
+    with torch.inference_mode():
+        d = LeanDecoder(hf, 64)
+        kvs, logits = packed_prefill(d, prompts, [None] * 3)
+        for p, kv, lg in zip(prompts, kvs, logits):
+            out = hf(torch.tensor([p]), use_cache=True)
+            assert torch.allclose(lg, out.logits[0, -1], atol=1e-5, rtol=1e-4)
+            for layer in range(d.n_layer):
+                assert torch.allclose(kv[layer, :d.n_kv], out.past_key_values.layers[layer].keys[0], atol=1e-5)
+                assert torch.allclose(kv[layer, d.n_kv:], out.past_key_values.layers[layer].values[0], atol=1e-5)
+        (kv2,), lg2 = packed_prefill(d, [prompts[0][3:]], [kvs[0][:, :, :3].clone()])
+        assert torch.equal(kv2, kvs[0]) and torch.equal(lg2[0], logits[0])

@@ -5,6 +5,11 @@ cache gives the same tokens as one without while prefilling fewer positions."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
+import time
+
 import httpx
 import pytest
 import torch
@@ -165,3 +170,57 @@ def test_rows_join_and_leave_the_lean_frame_without_copying_the_others(llama):
     assert moved > 0                      # rows left by a move, not a copy of the batch
     # job 0 (draw 0) alone, with no cache to share
     assert [c.tokens for c in jobs[0].choices] == _run(model, tok, d, prompts[:1], params, None)[0]
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_200_streamed_requests_with_cancellations_end_clean_and_equal_their_solo_runs(llama):
+    """Random lengths, a quarter of the clients hanging up after their first chunk, 16 rows at a time (rows
+    join, leave and move in the frame all the time), twice: no errors, the server idle and no bigger after
+    the second wave than after the first, and every finished text the one its request gets alone."""
+    *_, model_dir = llama
+    rng = random.Random(0)
+    reqs = [(i, SYSTEM + QUESTIONS[i % len(QUESTIONS)], rng.randint(1, 24), rng.random() < 0.25) for i in range(200)]
+
+    def body(i, prompt, max_tokens, stream):
+        return {"model": str(model_dir), "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                "seed": i, "stream": stream}
+
+    async def one(ac, url, i, prompt, max_tokens, hang_up):
+        text = ""
+        async with ac.stream("POST", url + "/v1/completions", json=body(i, prompt, max_tokens, True)) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if hang_up:
+                    return None
+        return text
+
+    async def wave(url):
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256)) as ac:
+            return await asyncio.gather(*(one(ac, url, *r) for r in reqs))
+
+    with running_server(model_dir, "--max-batch", "16") as (url, proc):
+        first = asyncio.run(wave(url))
+        after_first = _rss_mib(proc.pid)
+        second = asyncio.run(wave(url))
+        after_second = _rss_mib(proc.pid)
+        for _ in range(100):   # hung-up rows leave at the next step
+            health = httpx.get(url + "/health").json()
+            if health["running"] == 0:
+                break
+            time.sleep(0.05)
+        assert health["running"] == 0 and health["waiting"] == 0
+        finished = [(r, t) for r, t in zip(reqs, first) if t is not None]
+        assert len(finished) > 120 and [t for t in second if t is not None] == [t for _, t in finished]
+        for (i, prompt, max_tokens, _), text in finished:
+            alone = httpx.post(url + "/v1/completions", json=body(i, prompt, max_tokens, False), timeout=60).json()
+            assert alone["choices"][0]["text"] == text
+    assert after_second <= after_first * 1.1 + 20

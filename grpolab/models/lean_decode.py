@@ -186,7 +186,7 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
 
 
-def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def hf_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """An HF RMSNorm module applied as HF does."""
     return norm.weight * _rms(x, norm_eps(norm))
 
@@ -381,7 +381,7 @@ class LeanDecoder:
                 q = r[:, :H]
                 cache.kv[i, :, :, start:end] = r[:, H:]
             else:            # per-head q/k norms (Qwen3) come before the rotation
-                q, k = _norm(qkv[:, :H], L.q_norm), _norm(qkv[:, H:H + KV], L.k_norm)
+                q, k = hf_norm(qkv[:, :H], L.q_norm), hf_norm(qkv[:, H:H + KV], L.k_norm)
                 q = rotate(q, cos, sin)
                 cache.kv[i, :, :KV, start:end] = rotate(k, cos, sin)
                 cache.kv[i, :, KV:, start:end] = qkv[:, H + KV:]

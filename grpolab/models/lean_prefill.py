@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import rotate
-from .lean_decode import LeanDecoder, _norm
+from .lean_decode import LeanDecoder, hf_norm
 
 
 def packed_prefill(d: LeanDecoder, new: list[list[int]], prefixes: list[torch.Tensor | None]
@@ -44,8 +44,8 @@ def packed_prefill(d: LeanDecoder, new: list[list[int]], prefixes: list[torch.Te
             r = rotate(qkv, cos, sin)
             q, kv = r[:, :H], r[:, H:]
         else:              # Qwen3's per-head norms come before the rotation
-            q = rotate(_norm(qkv[:, :H], L.q_norm), cos, sin)
-            kv = torch.cat([rotate(_norm(qkv[:, H:H + KV], L.k_norm), cos, sin), qkv[:, H + KV:]], dim=1)
+            q = rotate(hf_norm(qkv[:, :H], L.q_norm), cos, sin)
+            kv = torch.cat([rotate(hf_norm(qkv[:, H:H + KV], L.k_norm), cos, sin), qkv[:, H + KV:]], dim=1)
         y = torch.empty((N, H, D), dtype=d.dtype, device=d.device)
         at = 0
         for o, s, n in zip(out, starts, lens):

@@ -2,8 +2,9 @@
 
 A request (`Job`) is one prompt and its n choices. Between two steps the batcher lets finished
 and cancelled rows leave and admits waiting jobs while the batch has room (`max_batch` rows):
-the new prompts are prefilled together, copied to their n rows and joined to the batch (see
-kv_cache.py), so a request never waits for another to finish. Each step samples one token per row
+the new prompts are prefilled together (for the lean decoder packed, without padding, continuing
+cached prefixes: models/lean_prefill.py, prefix_cache.py), copied to their n rows and joined to the
+batch (see kv_cache.py), so a request never waits for another to finish. Each step samples one token per row
 with that row's own settings and randomness, then runs one forward pass over the rows still going.
 
 Randomness is keyed per choice (rollout/keys.py): a choice's t-th token uses a uniform hashed
@@ -269,8 +270,9 @@ class Batcher:
                 self._record(job, choice, t)
             if not choice.done:
                 going.append(i)
-        # Dropping rows copies the whole cache, so finished rows stay (decoding tokens nobody reads) until
-        # a quarter of the batch has finished, or one of them would run past the context.
+        # Dropping rows copies cache rows (every row of the built-in and HF caches; the moved ones of the lean
+        # frame), so finished rows stay (decoding tokens nobody reads) until a quarter of the batch has
+        # finished, or one of them would run past the context.
         dead = len(self.rows) - len(going)
         order = None   # the batch's rows as indices into `tokens`, when some left
         if not going or dead * 4 >= len(self.rows) or (dead and int(self.cache.count.max()) >= self.context - 1):

@@ -49,8 +49,9 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("grpolab:time_to_first_token_seconds", "Time from arrival to the end of the prefill",
                               buckets=TTFT_BUCKETS, registry=r)
-        if batcher.prefix_cache is not None:
-            r.register(_PrefixCacheCounts(batcher.prefix_cache))
+        prefix_cache = getattr(batcher, "prefix_cache", None)   # (a server built without a batcher: None)
+        if prefix_cache is not None:
+            r.register(_PrefixCacheCounts(prefix_cache))
 
     def answered(self, start: float, jobs, usage: dict) -> None:
         """A generation request that began at time.monotonic() `start` has been answered in full."""

@@ -138,11 +138,12 @@ def keep(cache, idx: list[int]):
 
 def join(a, b, capacity: int = 0):
     """Rows of `a` then rows of `b`: two frames of the same write column and width. A LeanCache `a` is
-    kept in a frame of `capacity` rows, into which later joins copy only their own rows."""
+    kept in a frame of up to `capacity` rows, into which later joins copy only their own rows."""
     if isinstance(a, LeanCache) and a.prefix is None and b.prefix is None:
         na, nb = a.kv.size(1), b.kv.size(1)
         if not _framed(a) or a.frame.kv.size(1) < na + nb:
-            frame = _Frame(a, max(capacity, na + nb))
+            # room for twice the rows (up to `capacity`): a long context's frame is not max_batch rows wide up front
+            frame = _Frame(a, max(na + nb, min(capacity, 2 * (na + nb))))
             frame.kv[:, :na], frame.bias[:na], frame.count[:na] = a.kv, a.bias, a.count
             a = _rows(frame, na, a)
         f = a.frame

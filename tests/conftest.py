@@ -14,6 +14,7 @@ import torch
 
 import grpolab  # noqa: F401  (before torch: OpenMP reads OMP_WAIT_POLICY when torch loads it)
 from grpolab.models.logprobs import token_logprobs
+from grpolab.serve.batcher import Batcher, Job
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -156,6 +157,19 @@ def randomize_lora_b(model, seed: int, scale: float) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     model.hf.eval()
 
+
+
+def staggered(model, tok, prompts, params, max_batch, decoder=None, context=512, prefix_cache=None):
+    """The server's batcher with one job submitted per step (rows join a running batch), run to the end;
+    each job's choices' tokens (job i is draw i)."""
+    b = Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder, prefix_cache=prefix_cache)
+    jobs = [Job(p, params, draw=i) for i, p in enumerate(prompts)]
+    for j in jobs:
+        b.submit(j)
+        b.step()
+    while not b.idle():
+        b.step()
+    return [[c.tokens for c in j.choices] for j in jobs]
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import running_server
+from conftest import running_server, staggered
 
 from grpolab.data.tasks import arithmetic
 from grpolab.models.hf import load_hf
@@ -100,27 +100,17 @@ def test_the_prefix_cache_finds_whole_blocks_keeps_the_last_token_and_evicts_the
     assert c.lookup(a).size(2) == BLOCK and c.lookup(f).size(2) == 2 * BLOCK
 
 
-def _run(model, tok, d, prompts, params, cache):
-    b = Batcher(model, tok, max_batch=6, context=512, decoder=d, prefix_cache=cache)
-    jobs = [Job(p, params, draw=i) for i, p in enumerate(prompts)]
-    for j in jobs:   # one job per step: rows join a running batch
-        b.submit(j)
-        b.step()
-    while not b.idle():
-        b.step()
-    return [[c.tokens for c in j.choices] for j in jobs]
-
-
 def test_a_batcher_with_the_prefix_cache_samples_the_same_tokens(llama):
     model, tok, d, _ = llama
     prompts = _prompts(tok, 8)
     for params in (SamplingParams(max_tokens=12, temperature=0.0),
                    SamplingParams(max_tokens=12, temperature=1.0, top_k=20, n=2, seed=3)):
-        plain = _run(model, tok, d, prompts, params, None)
+        plain = staggered(model, tok, prompts, params, 6, d, prefix_cache=None)
         cache = PrefixCache(2**30)
-        first = _run(model, tok, d, prompts, params, cache)
+        first = staggered(model, tok, prompts, params, 6, d, prefix_cache=cache)
         hits_first = cache.hits
-        again = _run(model, tok, d, prompts, params, cache)   # every prompt's blocks are cached now
+        # every prompt's blocks are cached now
+        again = staggered(model, tok, prompts, params, 6, d, prefix_cache=cache)
         assert first == plain and again == plain
         shared = len(tok.encode(SYSTEM)) // BLOCK * BLOCK
         assert hits_first >= (len(prompts) - 1) * shared > 0   # the system prompt, after the first prompt
@@ -169,7 +159,7 @@ def test_rows_join_and_leave_the_lean_frame_without_copying_the_others(llama):
     assert len(frames) < len(jobs) / 2   # joins copy into the frame they find
     assert moved > 0                      # rows left by a move, not a copy of the batch
     # job 0 (draw 0) alone, with no cache to share
-    assert [c.tokens for c in jobs[0].choices] == _run(model, tok, d, prompts[:1], params, None)[0]
+    assert [c.tokens for c in jobs[0].choices] == staggered(model, tok, prompts[:1], params, 6, d, prefix_cache=None)[0]
 
 
 def _rss_mib(pid: int) -> float:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import run_cli, running_server
+from conftest import run_cli, running_server, staggered
 
 from grpolab.data.tasks import arithmetic
 from grpolab.models import GPT, CharTokenizer, GPTConfig
@@ -221,18 +221,6 @@ def test_ctrl_c_drains_in_flight_requests(ckpt):
 
 # ---- the batcher itself, in-process, on all three cache kinds ----------------------------------------
 
-def _staggered(model, tok, prompts, params, max_batch, decoder=None, context=512):
-    """Submit one job per step (rows join a running batch), run to the end; each job's choices' tokens."""
-    b = Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder)
-    jobs = [Job(p, params, draw=i) for i, p in enumerate(prompts)]
-    for j in jobs:
-        b.submit(j)
-        b.step()
-    while not b.idle():
-        b.step()
-    return [[c.tokens for c in j.choices] for j in jobs]
-
-
 def _hf_models(tmp_path):
     from grpolab.models.hf import load_hf
     from grpolab.models.lean_decode import LeanDecoder
@@ -259,13 +247,13 @@ def test_batcher_rows_joining_a_running_batch_decode_as_alone(kind, tmp_path, mo
             model.lean_decode, decoder = False, None
         prompts = [tok.render_prompt(q) for q in QUESTIONS[:9]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
-    batched = _staggered(model, tok, prompts, greedy, max_batch=4, decoder=decoder)
+    batched = staggered(model, tok, prompts, greedy, max_batch=4, decoder=decoder)
     for p, got in zip(prompts, batched):
         assert got[0] == _engine_greedy(model, tok, p, 24)
     # seeded sampling, n = 3: the same tokens whatever shares the batch
     sampled = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, n=3, seed=5)
-    together = _staggered(model, tok, prompts[:4], sampled, max_batch=8, decoder=decoder)
-    alone = [_staggered(model, tok, [p], sampled, max_batch=3, decoder=decoder)[0] for p in prompts[:4]]
+    together = staggered(model, tok, prompts[:4], sampled, max_batch=8, decoder=decoder)
+    alone = [staggered(model, tok, [p], sampled, max_batch=3, decoder=decoder)[0] for p in prompts[:4]]
     assert together != [[r[0]] * 3 for r in together]   # the 3 samples differ
     # each job alone was draw 0; in the batch job i is draw i: compare job 0, and rerun others at their draw
     assert together[0] == alone[0]
@@ -326,7 +314,7 @@ def test_a_lora_checkpoint_is_served_merged_and_sliding_windows_are_refused(tmp_
     assert batcher.decoder is not None   # merged: the lean path
     adapter_model, adapter_tok = load_model(str(tmp_path / "adapter"))   # with its (unmerged) adapters
     prompts = [adapter_tok.render_prompt(q) for q in QUESTIONS[:3]]
-    got = _staggered(batcher.model, adapter_tok, prompts, SamplingParams(max_tokens=12, temperature=0.0), 4,
+    got = staggered(batcher.model, adapter_tok, prompts, SamplingParams(max_tokens=12, temperature=0.0), 4,
                      decoder=batcher.decoder)
     assert [g[0] for g in got] == [_engine_greedy(adapter_model, adapter_tok, p, 12) for p in prompts]
 

@@ -9,7 +9,7 @@ columns, or to another row, does not change what it computes. Three operations k
 - `place`: the same rows in a frame with another write column and width (room for longer
   prompts, or dropping columns that no row uses any more);
 - `join`: stack two frames of the same geometry (rows that just joined the batch); the lean decoder's
-  cache keeps room for `max_batch` rows, so joining copies the new rows only.
+  cache keeps room for twice its rows (up to `max_batch`), so joining copies the new rows only.
 
 Supported caches: the built-in GPT's `KVCache` (with `count` set), the lean HF decoder's
 `LeanCache`, and HF's `DynamicCache` (through `HFCache`) when none of its layers slides.

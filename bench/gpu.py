@@ -1,5 +1,7 @@
 """grpolab on one NVIDIA GPU: rollout decode against transformers' `generate`, batch independence and
-run-to-run exactness of the graph path, a GRPO step's split, and two identical GRPO runs plus a resume.
+run-to-run exactness of the graph path, a GRPO step's split, two identical GRPO runs plus a resume,
+TRL's GRPO step on the same card (where trl is importable), the decode kernels alone, and where a
+replayed decode step's time goes.
 
 Random weights (timing and exactness do not need trained ones) in bfloat16, two model shapes:
   * smollm2: SmolLM2-135M-Instruct's own config.json (30 layers, GQA 9/3, tied head) and, for the GRPO
@@ -9,13 +11,15 @@ Random weights (timing and exactness do not need trained ones) in bfloat16, two 
 Decode: 16 prompts of 128 random token ids x 8 samples, temperature 1, in two regimes: fixed (exactly
 256 new tokens per row) and RL-like (row r stops at 16 + 240 u^3 tokens, the longest set to 256: our
 engines through per-row budgets, HF's through a logits processor that forces the end token then). Three
-engines alternate after a warm-up: `graph` (the slotted decode with CUDA graphs, rollout/slot_decode.py),
+engines alternate after a warm-up: `graph` (the slotted decode with CUDA graphs, rollout/slot_decode.py;
+`graph64` the same with products of 64 rows),
 `eager` (the pre-graph engine: rollout/decode_loop.py with the lean decode path) and `hf` (model.generate).
 Tokens/s count the tokens each row keeps. `ms_per_step` is a fixed-length run's wall time over its 256
 steps (prefill included); `floor_ms` is the memory-bandwidth floor of one step at the batch's mean
 context (weights + the KV cache read once at the card's peak bandwidth), `of_floor` their ratio.
 
-    python bench/gpu.py --out DIR [--assets DIR] [--sections env,invariance,decode,grpo] [--runs 2]
+    python bench/gpu.py --out DIR [--assets DIR] [--sections env,kernels,invariance,decode,grpo,trl,profile]
+                        [--runs 2] [--shapes smollm2,qwen1.5b] [--regimes fixed,rl] [--engines graph,graph64,eager,hf]
 
 One JSON object per line on stdout and in DIR/gpu.jsonl. Needs a CUDA device; never run by the tests.
 """
@@ -149,16 +153,21 @@ def bytes_per_step(model, rows: int, mean_ctx: float) -> float:
     return weights + kv
 
 
+def decode_setup(shape: str, args):
+    """A shape's random model, its policy, end token and the benchmark's random prompts."""
+    cfg = smollm2_config(args.assets) if shape == "smollm2" else qwen_config()
+    model = random_model(cfg)
+    eos = model.config.eos_token_id
+    eos = int(eos if isinstance(eos, int) else eos[0])
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(100, model.config.vocab_size - 1, (PROMPTS, PROMPT_LEN), generator=g).tolist()
+    return model, HFPolicy(model), eos, prompts
+
+
 def section_decode(args):
-    shapes = {"smollm2": lambda: smollm2_config(args.assets), "qwen1.5b": qwen_config}
     for shape in args.shapes.split(","):
-        model = random_model(shapes[shape]())
-        policy = HFPolicy(model)
-        eos = model.config.eos_token_id
-        eos = int(eos if isinstance(eos, int) else eos[0])
-        g = torch.Generator().manual_seed(1)
-        prompts = torch.randint(100, model.config.vocab_size - 1, (PROMPTS, PROMPT_LEN), generator=g).tolist()
-        for regime in ("fixed", "rl"):
+        model, policy, eos, prompts = decode_setup(shape, args)
+        for regime in args.regimes.split(","):
             lengths = None if regime == "fixed" else rl_lengths(PROMPTS * SAMPLES)
             engines = {"graph": lambda: ours(policy, prompts, lengths, eos, True),
                        "eager": lambda: ours(policy, prompts, lengths, eos, False),
@@ -169,6 +178,8 @@ def section_decode(args):
             if shape == "smollm2":   # the same path with products of 64 rows (buckets of 64: 128, then 64)
                 engines["graph64"] = warm["graph64"] = lambda: ours(policy, prompts, lengths, eos, True,
                                                                     rows_per_matmul=64)
+            for k in [k for k in engines if k not in args.engines.split(",")]:
+                del engines[k]
             for k in list(engines):   # warm-up (graph capture, Triton compile, cuBLAS handles)
                 try:
                     warm[k]()
@@ -206,6 +217,121 @@ def section_decode(args):
             emit(rec)
         model = policy = engines = None   # freed before the next shape
         torch.cuda.empty_cache()
+
+
+def _kernel_table(prof, path: Path, steps: int) -> dict:
+    """Per-step GPU kernel time by kernel name, from a profile's chrome trace (kernels inside graph replays
+    included where CUPTI reports them)."""
+    prof.export_chrome_trace(str(path))
+    ev = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not ev:
+        return {"kernels": 0}
+    by: dict[str, list[float]] = {}
+    for e in ev:
+        by.setdefault(e["name"][:90], []).append(float(e["dur"]))
+    span = (max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)) / steps
+    busy = sum(float(e["dur"]) for e in ev) / steps
+    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:30]
+    return {"kernels_per_step": round(len(ev) / steps, 1), "busy_us_per_step": round(busy, 1),
+            "span_us_per_step": round(span, 1),
+            "top": [[k, len(v) // steps, round(sum(v) / steps, 1)] for k, v in top]}
+
+
+def section_profile(args):
+    """Where a graph-path decode step's time goes: pure replay ms per step (CUDA events, no host looks),
+    a prompt's prefill replay, and the kernels of a step by name (torch.profiler), at both product sizes."""
+    from torch.profiler import ProfilerActivity, profile
+    for shape in args.shapes.split(","):
+        _, policy, eos, prompts = decode_setup(shape, args)
+        for rpm in (64, 128):
+            rec = {"section": "profile", "shape": shape, "rows_per_matmul": rpm}
+            try:
+                ours(policy, prompts, None, eos, True, rows_per_matmul=rpm)   # capture
+                _, s = timed(lambda: ours(policy, prompts, None, eos, True, rows_per_matmul=rpm))
+                split = slot_decode.last_split(policy)
+                rec.update(run_s=round(s, 4), tok_s=round(PROMPTS * SAMPLES * NEW / s),
+                           prefill_s=round(split["prefill_s"], 4),
+                           decode_ms_per_step=round(split["decode_s"] / split["steps"] * 1e3, 3))
+                dec = next(reversed(slot_decode._DECODERS[policy].values()))
+                R = dec.shape.rows
+                with torch.inference_mode():
+                    dec.done.fill_(False)
+                    dec.budget.fill_(10 ** 6)
+                    dec.cache.lens.fill_(PROMPT_LEN)
+                    dec.t.zero_()
+                    n = 64
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    dec.graphs[R].replay()
+                    dec.t.zero_()
+                    dec.cache.lens.fill_(PROMPT_LEN)
+                    a.record()
+                    for _ in range(n):
+                        dec.graphs[R].replay()
+                    b.record()
+                    torch.cuda.synchronize()
+                    rec["replay_ms_per_step"] = round(a.elapsed_time(b) / n, 4)
+                    pre = next(iter(dec.prefills.values()))
+                    if pre.graph is not None:
+                        a.record()
+                        for _ in range(8):
+                            pre.graph.replay()
+                        b.record()
+                        torch.cuda.synchronize()
+                        rec["prefill_replay_ms"] = round(a.elapsed_time(b) / 8, 4)
+                    dec.t.zero_()
+                    dec.cache.lens.fill_(PROMPT_LEN)
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(4):
+                            dec.graphs[R].replay()
+                        torch.cuda.synchronize()
+                    rec["graph"] = _kernel_table(prof, Path("/tmp") / f"trace_{shape}_{rpm}_graph.json", 4)
+                    dec.t.zero_()
+                    dec.cache.lens.fill_(PROMPT_LEN)
+                    with slot_decode._nondeterministic_kernels_allowed():
+                        dec._step(R)
+                        torch.cuda.synchronize()
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            for _ in range(2):
+                                dec._step(R)
+                            torch.cuda.synchronize()
+                    rec["eager"] = _kernel_table(prof, Path("/tmp") / f"trace_{shape}_{rpm}_eager.json", 2)
+            except Exception as e:
+                rec.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
+            emit(rec)
+            slot_decode._DECODERS.pop(policy, None)
+            torch.cuda.empty_cache()
+
+
+def section_kernels(args):
+    """The decode's attention and the fused sampler alone, at the benchmark's rows and mean context: their
+    time (triton.testing.do_bench, median) and their error against the torch computations they replace."""
+    from triton.testing import do_bench
+
+    from grpolab.models.decode_attention import decode_attention, reference
+    from grpolab.rollout.keys import token_uniforms
+    from grpolab.rollout.sampling import sample_next
+    from grpolab.rollout.sampling_kernels import keyed_sample
+    rows, ctx = PROMPTS * SAMPLES, PROMPT_LEN + NEW // 2
+    for shape, H, KV, D, V in (("smollm2", 9, 3, 64, 49152), ("qwen1.5b", 12, 2, 128, 151936)):
+        torch.manual_seed(0)
+        q = torch.randn(rows, H, D, device="cuda").bfloat16()
+        k, v = (torch.randn(rows, ctx + 128, KV, D, device="cuda").bfloat16() for _ in range(2))
+        lens = torch.full((rows,), ctx, device="cuda")
+        out, want = decode_attention(q, k, v, lens, D ** -0.5), reference(q, k, v, lens, D ** -0.5)
+        logits = torch.randn(rows, V, device="cuda") * 4
+        u = token_uniforms(torch.arange(rows, device="cuda") * 7919, 3)
+        tok, lp = keyed_sample(logits, 1.0, u)
+        tok2, lp2 = sample_next(logits, 1.0, 0, 1.0, None, u)
+        emit({"section": "kernels", "shape": shape, "rows": rows, "context": ctx,
+              "attention_us": round(do_bench(lambda: decode_attention(q, k, v, lens, D ** -0.5),
+                                             return_mode="median") * 1e3, 1),
+              "attention_rel_err": float((out.float() - want.float()).norm() / want.float().norm()),
+              "kv_bytes_floor_us": round(2 * rows * ctx * KV * D * 2 / peak_bw() * 1e6, 1),
+              "fused_sample_us": round(do_bench(lambda: keyed_sample(logits, 1.0, u), return_mode="median") * 1e3, 1),
+              "sample_next_us": round(do_bench(lambda: sample_next(logits, 1.0, 0, 1.0, None, u),
+                                               return_mode="median") * 1e3, 1),
+              "sample_same_tokens": f"{int((tok == tok2).sum())}/{rows}",
+              "sample_logprob_max_diff": float((lp - lp2).abs().max())})
 
 
 def _gen(policy, prompts, G, keys, L, eos):
@@ -281,16 +407,22 @@ def compare(a: Path, b: Path) -> tuple[int, str]:
     return r.returncode, (r.stdout + r.stderr)[-800:]
 
 
-def section_grpo(args):
+def smollm2_dir(args) -> Path:
+    """A SmolLM2-shaped model with random weights and SmolLM2's tokenizer, saved once for the runs."""
     from transformers import AutoTokenizer
-    base = OUT / "grpo"
-    model_dir = base / "smollm2_random"
+    model_dir = OUT / "grpo" / "smollm2_random"
     if not (model_dir / "config.json").exists():
         model = random_model(smollm2_config(args.assets))
         model.save_pretrained(model_dir)
         AutoTokenizer.from_pretrained(args.assets).save_pretrained(model_dir)
         del model
         torch.cuda.empty_cache()
+    return model_dir
+
+
+def section_grpo(args):
+    base = OUT / "grpo"
+    model_dir = smollm2_dir(args)
     runs = {}
     names = args.grpo_runs.split(",")
     for name, steps in (x for x in (("a", 4), ("b", 4), ("c", 2)) if x[0] in names):
@@ -320,15 +452,100 @@ def section_grpo(args):
               **({"stderr": err} if rc else {})})
 
 
+def section_trl(args):
+    """TRL's GRPOTrainer on the same card, model and batch as section_grpo's run a: 16 arithmetic prompts
+    (chat messages) x 8 completions of exactly 256 tokens (`min_new_tokens`, as bench/step.py forces it),
+    bfloat16, beta 0, the clipped loss over all tokens (`dapo`, ours `token-mean`), lr 1e-4, the `length`
+    reward, activation checkpointing off, generation by `model.generate` (no vLLM on that machine).
+    Seconds per step (median of steps 2-4) and its generation's, beside ours from run a.
+    Needs trl and datasets; a GPU machine without network gets them as wheels (docs/gpu.md)."""
+    try:
+        import trl
+        from datasets import Dataset
+        from datasets.table import InMemoryTable
+        from transformers import TrainerCallback
+        from trl import GRPOConfig
+        from trl import GRPOTrainer as TRLGRPOTrainer
+    except ImportError as e:
+        emit({"section": "trl", "skipped": f"{type(e).__name__}: {e}"})
+        return
+    import dataclasses
+
+    from grpolab.data.tasks import arithmetic
+    from grpolab.rewards.length import length
+    steps = 4
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}]}
+            for r in arithmetic.generate("train", PROMPTS * steps, seed=0)]
+    off = {f.name: False for f in dataclasses.fields(GRPOConfig)
+           if f.name in ("gradient_checkpointing", "activation_checkpointing")}
+    cfg = GRPOConfig(output_dir=str(OUT / "trl"), max_steps=steps, seed=0,
+                     per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
+                     num_generations=SAMPLES, generation_batch_size=PROMPTS * SAMPLES, num_iterations=1,
+                     shuffle_dataset=False, max_completion_length=NEW, generation_kwargs={"min_new_tokens": NEW},
+                     temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo",
+                     learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+                     max_grad_norm=1.0, model_init_kwargs={"dtype": "bfloat16"}, bf16=True, use_vllm=False,
+                     report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
+                     disable_tqdm=True, dataloader_num_workers=0, log_completions=False, **off)
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[float] = []
+            self.tokens: list[int] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, a, state, control, **kw):
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            torch.cuda.synchronize()
+            self.steps.append(time.perf_counter() - self.t0)
+            self.tokens.append(int(sum(b["completion_mask"].sum() for b in trainer._buffered_inputs)))
+
+    clock = Clock()
+    # a fingerprint given, so that datasets does not hash the table with dill (which failed on that
+    # machine's Python 3.12 with pyarrow 24: "Can't pickle <class 'MonthDayNano'>")
+    dataset = Dataset(InMemoryTable.from_pylist(rows), fingerprint="bench-gpu-trl")
+    trainer = TRLGRPOTrainer(model=str(smollm2_dir(args)), reward_funcs=[length], args=cfg,
+                             train_dataset=dataset, callbacks=[clock])
+    gen: list[float] = []
+    inner = trainer._generate
+
+    def timed_generate(*a, **kw):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = inner(*a, **kw)
+        torch.cuda.synchronize()
+        gen.append(time.perf_counter() - t)
+        return out
+
+    trainer._generate = timed_generate
+    trainer.train()
+    rec = {"section": "trl", "trl": trl.__version__, "steps": len(clock.steps),
+           "completion_tokens_per_step": clock.tokens,
+           "trl_step_s": round(statistics.median(clock.steps[1:]), 3),
+           "trl_generate_s": round(statistics.median(gen[1:]), 3)}
+    ours = OUT / "grpo" / "a" / "metrics.jsonl"
+    if ours.exists():
+        m = [json.loads(line) for line in open(ours) if '"time/step"' in line][1:]
+        rec["ours_step_s"] = round(statistics.median(r["time/step"] for r in m), 3)
+        rec["ours_generate_s"] = round(statistics.median(r["time/generate"] for r in m), 3)
+        rec["trl_over_ours_step"] = round(rec["trl_step_s"] / rec["ours_step_s"], 2)
+    emit(rec)
+
+
 def main() -> None:
     global OUT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--assets", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct",
                    help="a folder with SmolLM2's config.json and tokenizer files")
-    p.add_argument("--sections", default="env,invariance,grpo,decode")
+    p.add_argument("--sections", default="env,kernels,invariance,decode,grpo,trl,profile")
     p.add_argument("--shapes", default="smollm2,qwen1.5b")
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--regimes", default="fixed,rl")
+    p.add_argument("--engines", default="graph,graph64,eager,hf", help="the decode section's engines")
     p.add_argument("--grpo-runs", default="a,b,c", help="a and b: 4 steps each; c: 2 steps, then resumed to 4")
     p.add_argument("--nondeterministic", action="store_true", help="also a GRPO run without deterministic kernels")
     args = p.parse_args()
@@ -338,7 +555,8 @@ def main() -> None:
         sys.exit("bench/gpu.py needs a CUDA device")
     from grpolab.determinism import pin_cuda_numerics
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts, as grpolab's jobs set it
-    sections = {"invariance": section_invariance, "decode": section_decode, "grpo": section_grpo}
+    sections = {"invariance": section_invariance, "decode": section_decode, "grpo": section_grpo,
+                "profile": section_profile, "kernels": section_kernels, "trl": section_trl}
     for name in args.sections.split(","):
         t = time.perf_counter()
         try:

@@ -46,6 +46,11 @@ def _rows(g):
     return [(ids[m].tolist(), lp[m]) for ids, lp, m in zip(g.completion_ids, g.sampler_logprobs, g.completion_mask)]
 
 
+def _same(a, b) -> bool:
+    """Two `_rows` lists: the same tokens and the same log-prob bits, row for row."""
+    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
 def test_samples_what_the_eager_engine_samples(policy, tok):
     G = 4
     kw = dict(num_generations=G, max_new_tokens=24, stop_ids=(tok.eos_id,), pad_id=tok.pad_id)
@@ -107,7 +112,7 @@ def test_the_triton_kernel_computes_the_reference_attention():
 import torch
 from grpolab.models.decode_attention import decode_attention, reference
 torch.manual_seed(0)
-for b, H, KV, D, T in ((5, 6, 2, 16, 70), (3, 4, 4, 24, 33)):
+for b, H, KV, D, T in ((5, 6, 2, 16, 70), (3, 4, 4, 24, 33), (4, 9, 3, 64, 150), (3, 12, 2, 128, 140)):
     q, k, v = torch.randn(b, H, D), torch.randn(b, T, KV, D), torch.randn(b, T, KV, D)
     lens = torch.randint(1, T + 1, (b,))
     lens[0] = T
@@ -117,6 +122,35 @@ for b, H, KV, D, T in ((5, 6, 2, 16, 70), (3, 4, 4, 24, 33)):
     one = decode_attention(q[1:2], k[1:2, :int(lens[1])].contiguous(), v[1:2, :int(lens[1])].contiguous(), lens[1:2],
                            D ** -0.5, force_kernel=True)
     assert torch.equal(one, out[1:2])
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_sampling_kernels_draw_what_sample_next_draws():
+    """The fused keyed draw for large vocabularies: sample_next's tokens, its log-probs up to float32 rounding,
+    and a row alone the same bits as in its batch."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from grpolab.rollout.keys import completion_keys, token_uniforms
+from grpolab.rollout.sampling import sample_next
+from grpolab.rollout.sampling_kernels import keyed_sample
+torch.manual_seed(0)
+for V, T, dtype in ((5000, 1.0, torch.float32), (4096, 0.7, torch.bfloat16), (1500, 1.3, torch.float32)):
+    x = (torch.randn(48, V) * 3).to(dtype)
+    u = token_uniforms(completion_keys(0, torch.arange(48), torch.zeros(48, dtype=torch.long)), 5)
+    tok, lp = keyed_sample(x, T, u)
+    want, want_lp = sample_next(x, T, 0, 1.0, None, u)
+    assert torch.equal(tok, want), (tok != want).sum()
+    assert (lp - want_lp).abs().max() < 1e-5
+    # the log-prob is log softmax(x / T) at the token, computed plainly
+    plain = torch.log(torch.exp(x.double() / T) / torch.exp(x.double() / T).sum(-1, keepdim=True))
+    assert (lp.double() - plain.gather(1, tok[:, None])[:, 0]).abs().max() < 1e-5
+    one, one_lp = keyed_sample(x[7:8].clone(), T, u[7:8])
+    assert torch.equal(one, tok[7:8]) and torch.equal(one_lp, lp[7:8])
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -183,10 +217,48 @@ def test_cuda_graph_rows_alone_equal_rows_in_the_batch():
     prompts = [torch.randint(3, 299, (int(n),), generator=g).tolist() for n in torch.randint(5, 50, (16,), generator=g)]
     keys = _keys(16, 8)
     kw = dict(max_new_tokens=64, temperature=1.0, stop_ids=(1,), pad_id=0)
-    full = generate(gpt, prompts, num_generations=8, keys=keys, **kw)
-    again = _rows(generate(gpt, prompts, num_generations=8, keys=keys, **kw))
-    assert _rows(full) == again or all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(_rows(full), again))
+    full = _rows(generate(gpt, prompts, num_generations=8, keys=keys, **kw))
+    assert _same(full, _rows(generate(gpt, prompts, num_generations=8, keys=keys, **kw)))
     for r in (0, 77, 127):
-        one = _rows(generate(gpt, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw))[0]
-        want = _rows(full)[r]
-        assert one[0] == want[0] and torch.equal(one[1], want[1])
+        one = generate(gpt, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw)
+        assert _same(_rows(one), full[r:r + 1])
+
+
+@cuda
+def test_cuda_attention_kernel_in_bfloat16_computes_the_reference():
+    """The tensor-core products in the model's dtype (the CPU interpreter runs bfloat16 products wrong, so
+    this case is checked where the kernel runs)."""
+    from grpolab.models.decode_attention import decode_attention
+    torch.manual_seed(0)
+    for b, H, KV, D, T in ((6, 9, 3, 64, 300), (4, 12, 2, 128, 200)):
+        q, k, v = (torch.randn(b, H, D, device="cuda").bfloat16(), torch.randn(b, T, KV, D, device="cuda").bfloat16(),
+                   torch.randn(b, T, KV, D, device="cuda").bfloat16())
+        lens = torch.randint(1, T + 1, (b,), device="cuda")
+        out = decode_attention(q, k, v, lens, D ** -0.5)
+        want = reference(q, k, v, lens, D ** -0.5)
+        assert (out.float() - want.float()).norm() / want.float().norm() < 1e-2
+        one = decode_attention(q[2:3], k[2:3], v[2:3], lens[2:3], D ** -0.5)
+        assert torch.equal(one, out[2:3])
+
+
+@cuda
+def test_cuda_graph_rows_alone_equal_rows_in_the_batch_bfloat16_gqa():
+    """A SmolLM2-like layout (grouped-query heads, tied head, bfloat16, a vocabulary past the fused sampler's
+    threshold): a row alone, and in a batch of another size, gives the tokens and log-probs of the full batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=5000, hidden_size=192, num_hidden_layers=3, num_attention_heads=6,
+                      num_key_value_heads=2, intermediate_size=512, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    torch.manual_seed(1)
+    policy = HFPolicy(LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval())
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(5, 90, (16,), generator=g)
+    prompts = [torch.randint(3, 4999, (int(n),), generator=g).tolist() for n in lens]
+    keys = _keys(16, 8)
+    kw = dict(max_new_tokens=48, temperature=1.0, stop_ids=(2,), pad_id=0)
+    full = _rows(generate(policy, prompts, num_generations=8, keys=keys, **kw))
+    assert _same(full, _rows(generate(policy, prompts, num_generations=8, keys=keys, **kw)))
+    for r in (0, 45, 127):
+        one = generate(policy, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw)
+        assert _same(_rows(one), full[r:r + 1])
+    assert _same(_rows(generate(policy, prompts[3:6], num_generations=8, keys=keys[24:48], **kw)), full[24:48])

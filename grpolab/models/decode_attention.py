@@ -2,12 +2,13 @@
 
 The cache is (rows, T, kv_heads, D), every row's tokens left-aligned from column 0, so a row's keys sit
 in the same columns whatever else shares the batch. `decode_attention` on CUDA is a Triton kernel: one
-program per (row, query head) walks that row's own keys in fixed blocks of `BLOCK` with an online
-softmax in float32. The order of every sum is fixed by the row's own length, so a row's output is the
-same bits in a batch of 1 or 500, next to short or long rows, in a cache of any T (a cuBLAS or SDPA
-kernel picks its tiling, and so its rounding, from the whole batch's shape). It reads no padding and
-launches once per layer, which a CUDA graph captures. Elsewhere (CPU, or no Triton) the same
-function is computed with torch ops (`reference`), which the tests hold the kernel to.
+program per (row, key/value head) walks that row's own keys in fixed blocks of `BLOCK`, for the query heads
+of that group together (each key read once, the products on the tensor cores, float32 accumulators and
+online softmax; a float32 model's products in full float32). The order of every sum is fixed by the row's
+own length, so a row's output is the same bits in a batch of 1 or 500, next to short or long rows, in a
+cache of any T (a cuBLAS or SDPA kernel picks its tiling, and so its rounding, from the whole batch's
+shape). It reads no padding and launches once per layer, which a CUDA graph captures. Elsewhere (CPU, or
+no Triton) the same function is computed with torch ops (`reference`), which the tests hold the kernel to.
 """
 
 from __future__ import annotations
@@ -37,33 +38,44 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Ten
 
 if triton is not None:
     @triton.jit
-    def _kernel(Q, K, V, Out, LENS, stride_kr, stride_kt, scale, GROUP: tl.constexpr, KV: tl.constexpr,
-                D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _kernel(Q, K, V, Out, LENS, stride_kr, stride_kt, scale, GROUP: tl.constexpr, GP: tl.constexpr,
+                KV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         r = tl.program_id(0)
-        h = tl.program_id(1)
+        g = tl.program_id(1)   # a key/value head: its GROUP query heads together, so its keys are read once
         H = GROUP * KV
+        i = tl.arange(0, GP)
         d = tl.arange(0, DP)
-        dm = d < D
-        q = tl.load(Q + (r * H + h) * D + d, mask=dm, other=0.0).to(tl.float32) * scale
+        qm = (i < GROUP)[:, None] & (d < D)[None, :]
+        at_q = (r * H + g * GROUP + i)[:, None] * D + d[None, :]
+        q = tl.load(Q + at_q, mask=qm, other=0.0)                                   # (GP, DP)
         n_keys = tl.load(LENS + r)
-        base = r.to(tl.int64) * stride_kr + (h // GROUP) * D
-        m = tl.full((1,), float("-inf"), tl.float32)
-        total = tl.zeros((1,), tl.float32)
-        acc = tl.zeros((DP,), tl.float32)
+        base = r.to(tl.int64) * stride_kr + g * D
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        total = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, DP), tl.float32)
         for start in range(0, n_keys, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             ok = n < n_keys
             at = base + n[:, None].to(tl.int64) * stride_kt + d[None, :]
-            k = tl.load(K + at, mask=ok[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            s = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
+            km = ok[:, None] & (d < D)[None, :]
+            k = tl.load(K + at, mask=km, other=0.0)                                 # (BLOCK_N, DP)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(ok[None, :], s * scale, float("-inf"))                    # (GP, BLOCK_N) float32
+            m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
-            v = tl.load(V + at, mask=ok[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            total = total * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            p = tl.exp(s - m_new[:, None])
+            v = tl.load(V + at, mask=km, other=0.0)
+            total = total * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:   # the probabilities in the cache's dtype, as SDPA multiplies them with the values
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             m = m_new
-        tl.store(Out + (r * H + h) * D + d, (acc / total).to(Out.dtype.element_ty), mask=dm)
+        tl.store(Out + at_q, (acc / total[:, None]).to(Out.dtype.element_ty), mask=qm)
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -81,6 +93,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     KV = k.size(2)
     q = q.contiguous()
     out = torch.empty_like(q)
-    _kernel[(b, H)](q, k, v, out, lens, k.stride(0), k.stride(1), scale, GROUP=H // KV, KV=KV, D=D,
-                    DP=triton.next_power_of_2(D), BLOCK_N=BLOCK)
+    _kernel[(b, KV)](q, k, v, out, lens, k.stride(0), k.stride(1), scale, GROUP=H // KV,
+                     GP=max(16, triton.next_power_of_2(H // KV)), KV=KV, D=D, DP=max(16, triton.next_power_of_2(D)),
+                     BLOCK_N=BLOCK, IEEE=q.dtype == torch.float32)
     return out

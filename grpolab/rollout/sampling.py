@@ -51,13 +51,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor
     sums = probs[:, :n * block].reshape(B, n, block).sum(-1)
     if V % block:
         sums = torch.cat([sums, probs[:, n * block:].sum(-1, keepdim=True)], dim=1)
+    return invert_blocks(sums, lambda idx: probs.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0.0), u,
+                         block)
+
+
+def invert_blocks(sums: torch.Tensor, block_probs, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """`draw`'s two levels: the uniform picks a block of `block` tokens by the blocks' masses `sums`
+    (B, blocks), then a token inside it by `block_probs(idx)` (idx (B, block) the block's token ids, some
+    past the vocabulary in the last block: their probabilities 0)."""
     ends = sums.cumsum(-1, dtype=torch.float64)            # (B, blocks): where each block's mass ends
     edges = torch.nn.functional.pad(ends, (1, 0))         # (B, blocks + 1), from 0
     target = u * ends[:, -1:]
     blk = torch.searchsorted(ends, target, right=True).clamp_(max=sums.size(1) - 1)   # (B, 1)
     lo, hi = edges.gather(1, blk), edges.gather(1, blk + 1)
-    idx = blk * block + torch.arange(block, device=probs.device)
-    inside = probs.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0.0)
+    inside = block_probs(blk * block + torch.arange(block, device=sums.device))
     cdf = inside.cumsum(-1, dtype=torch.float64)
     # where the target falls inside the block, as a fraction of it (below 1, so it lands on a token
     # of the block with probability > 0 even when the block's two sums round differently)

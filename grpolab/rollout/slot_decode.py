@@ -35,11 +35,12 @@ from ..utils.padding import pad_sequences
 from .generation import Generation
 from .keys import position_salts, salted_uniforms
 from .sampling import sample_next
+from .sampling_kernels import applies, keyed_sample
 
-# decode rows per matrix product: a batch is padded to a multiple of it. 64 against 128 on an H200 at
-# SmolLM2's shape, 128 rows, fixed lengths: 36.4k against 29.9k tok/s (bench/results/gpu_h200_run2.jsonl, one
-# run each); and a 128-row rollout's finished rows can then leave for a 64-row bucket.
-ROWS_PER_MATMUL = 64
+# decode rows per matrix product: a batch is padded to a multiple of it. 128 against 64 on an H200, 128 rows,
+# fixed lengths: 60.5k against 50.2k tok/s at SmolLM2's shape, 30.3k against 23.6k at the 1.5B shape (each
+# weight matrix read once per step instead of twice; bench/results/gpu_h200_run3_profile.jsonl)
+ROWS_PER_MATMUL = 128
 CHECK_EVERY = 8        # steps between the host's looks at which rows are done
 T_ROUND = 128          # cache columns are rounded up to this, so a run's batches share one capture
 PREFILL_ROUND = 64     # a prompt is prefilled padded to a multiple of this: one captured prefill per length
@@ -93,7 +94,7 @@ class SlotDecoder:
         R = s.rows
         self.cache = SlotCache(len(W.layers), R, s.T, W.n_kv, W.head_dim, W.dtype, dev)
         V = W.head.size(0)
-        self.logits = torch.zeros(R, V, dtype=torch.float32, device=dev)
+        self.logits = torch.zeros(R, V, dtype=W.dtype, device=dev)   # as the head computes them; sampled in float32
         self.tok = torch.zeros(R, dtype=torch.long, device=dev)
         self.keys = torch.zeros(R, dtype=torch.long, device=dev)
         self.slot_row = torch.arange(R, device=dev)     # the output row each slot decodes
@@ -102,6 +103,10 @@ class SlotDecoder:
         self.t = torch.zeros(1, dtype=torch.long, device=dev)
         self.salts = position_salts(torch.arange(s.L, device=dev))   # each position's part of the uniforms
         self.stops = torch.tensor(s.stops, dtype=torch.long, device=dev)
+        if applies(self.logits, s.temperature, s.top_k, s.top_p, s.keyed):   # fused kernels for a large vocabulary
+            self.sample = lambda x, u: keyed_sample(x, s.temperature, u)
+        else:
+            self.sample = lambda x, u: sample_next(x, s.temperature, s.top_k, s.top_p, None, u)
         # by output row
         self.out_ids = torch.zeros(R, s.L, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(R, s.L, dtype=torch.float32, device=dev)
@@ -120,7 +125,7 @@ class SlotDecoder:
         s = self.shape
         t = self.t.expand(b)
         u = salted_uniforms(self.keys[:b], self.salts.index_select(0, self.t)) if s.keyed else None
-        tok, lp = sample_next(self.logits[:b], s.temperature, s.top_k, s.top_p, None, u)
+        tok, lp = self.sample(self.logits[:b], u)
         rows, done = self.slot_row[:b], self.done[:b]
         live = ~done
         at = rows * s.L + t

@@ -237,6 +237,17 @@ def _kernel_table(prof, path: Path, steps: int) -> dict:
             "top": [[k, len(v) // steps, round(sum(v) / steps, 1)] for k, v in top]}
 
 
+def _events_ms(fn, n: int) -> float:
+    """Mean milliseconds of `fn()` over n calls in a row, by CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def section_profile(args):
     """Where a graph-path decode step's time goes: pure replay ms per step (CUDA events, no host looks),
     a prompt's prefill replay, and the kernels of a step by name (torch.profiler), at both product sizes."""
@@ -254,39 +265,28 @@ def section_profile(args):
                            decode_ms_per_step=round(split["decode_s"] / split["steps"] * 1e3, 3))
                 dec = next(reversed(slot_decode._DECODERS[policy].values()))
                 R = dec.shape.rows
+
+                def restart() -> None:   # every row live at the prompt's length, the step counter at 0
+                    dec.t.zero_()
+                    dec.cache.lens.fill_(PROMPT_LEN)
+
                 with torch.inference_mode():
                     dec.done.fill_(False)
                     dec.budget.fill_(10 ** 6)
-                    dec.cache.lens.fill_(PROMPT_LEN)
-                    dec.t.zero_()
-                    n = 64
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    restart()
                     dec.graphs[R].replay()
-                    dec.t.zero_()
-                    dec.cache.lens.fill_(PROMPT_LEN)
-                    a.record()
-                    for _ in range(n):
-                        dec.graphs[R].replay()
-                    b.record()
-                    torch.cuda.synchronize()
-                    rec["replay_ms_per_step"] = round(a.elapsed_time(b) / n, 4)
+                    restart()
+                    rec["replay_ms_per_step"] = round(_events_ms(dec.graphs[R].replay, 64), 4)
                     pre = next(iter(dec.prefills.values()))
                     if pre.graph is not None:
-                        a.record()
-                        for _ in range(8):
-                            pre.graph.replay()
-                        b.record()
-                        torch.cuda.synchronize()
-                        rec["prefill_replay_ms"] = round(a.elapsed_time(b) / 8, 4)
-                    dec.t.zero_()
-                    dec.cache.lens.fill_(PROMPT_LEN)
+                        rec["prefill_replay_ms"] = round(_events_ms(pre.graph.replay, 8), 4)
+                    restart()
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         for _ in range(4):
                             dec.graphs[R].replay()
                         torch.cuda.synchronize()
                     rec["graph"] = _kernel_table(prof, Path("/tmp") / f"trace_{shape}_{rpm}_graph.json", 4)
-                    dec.t.zero_()
-                    dec.cache.lens.fill_(PROMPT_LEN)
+                    restart()
                     with slot_decode._nondeterministic_kernels_allowed():
                         dec._step(R)
                         torch.cuda.synchronize()

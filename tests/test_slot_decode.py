@@ -209,19 +209,27 @@ def test_reference_attention_matches_a_plain_softmax():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _assert_batch_independent(model, vocab: int, longest: int, max_new_tokens: int, stop: int, alone: tuple):
+    """16 random prompts x 8 keyed samples on the graph path: the full batch twice, the rows `alone` each in
+    a batch of one, and prompts 3-5 in a batch of their own give the same tokens and log-prob bits."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab - 1, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, longest, (16,), generator=g)]
+    keys = _keys(16, 8)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=1.0, stop_ids=(stop,), pad_id=0)
+    full = _rows(generate(model, prompts, num_generations=8, keys=keys, **kw))
+    assert _same(full, _rows(generate(model, prompts, num_generations=8, keys=keys, **kw)))
+    for r in alone:
+        one = generate(model, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw)
+        assert _same(_rows(one), full[r:r + 1])
+    assert _same(_rows(generate(model, prompts[3:6], num_generations=8, keys=keys[24:48], **kw)), full[24:48])
+
+
 @cuda
 def test_cuda_graph_rows_alone_equal_rows_in_the_batch():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=300, n_layer=2, n_head=4, n_embd=128, block_size=256)).cuda().eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 299, (int(n),), generator=g).tolist() for n in torch.randint(5, 50, (16,), generator=g)]
-    keys = _keys(16, 8)
-    kw = dict(max_new_tokens=64, temperature=1.0, stop_ids=(1,), pad_id=0)
-    full = _rows(generate(gpt, prompts, num_generations=8, keys=keys, **kw))
-    assert _same(full, _rows(generate(gpt, prompts, num_generations=8, keys=keys, **kw)))
-    for r in (0, 77, 127):
-        one = generate(gpt, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw)
-        assert _same(_rows(one), full[r:r + 1])
+    _assert_batch_independent(gpt, 300, 50, 64, 1, (0, 77, 127))
 
 
 @cuda
@@ -251,14 +259,4 @@ def test_cuda_graph_rows_alone_equal_rows_in_the_batch_bfloat16_gqa():
                       tie_word_embeddings=True)
     torch.manual_seed(1)
     policy = HFPolicy(LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval())
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(5, 90, (16,), generator=g)
-    prompts = [torch.randint(3, 4999, (int(n),), generator=g).tolist() for n in lens]
-    keys = _keys(16, 8)
-    kw = dict(max_new_tokens=48, temperature=1.0, stop_ids=(2,), pad_id=0)
-    full = _rows(generate(policy, prompts, num_generations=8, keys=keys, **kw))
-    assert _same(full, _rows(generate(policy, prompts, num_generations=8, keys=keys, **kw)))
-    for r in (0, 45, 127):
-        one = generate(policy, [prompts[r // 8]], num_generations=1, keys=keys[r:r + 1], **kw)
-        assert _same(_rows(one), full[r:r + 1])
-    assert _same(_rows(generate(policy, prompts[3:6], num_generations=8, keys=keys[24:48], **kw)), full[24:48])
+    _assert_batch_independent(policy, 5000, 90, 48, 2, (0, 45, 127))

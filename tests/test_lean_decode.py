@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import randomize_lora_b
 
+from grpolab.models import lean_decode
 from grpolab.models.hf import HFCache, HFPolicy
 from grpolab.models.lean_decode import LeanCache, LeanDecoder, _Linear, unsupported_reason
 from grpolab.models.lean_prefill import packed_prefill
@@ -295,3 +296,69 @@ def test_packed_prefill_equals_hf_forward_and_continues_a_prefix(kind):
                 assert torch.allclose(kv[layer, d.n_kv:], out.past_key_values.layers[layer].values[0], atol=1e-5)
         (kv2,), lg2 = packed_prefill(d, [prompts[0][3:]], [kvs[0][:, :, :3].clone()])
         assert torch.equal(kv2, kvs[0]) and torch.equal(lg2[0], logits[0])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_compact_keeps_rows_in_place_and_moves_only_the_last_ones(shared):
+    """LeanCache.compact: the kept rows below the new size stay where they are, each leaver's place takes
+    one of the last kept rows, and the cache holds exactly the kept rows' tensors in the order it returns.
+    With a shared prompt (two groups of 3 rows) each row still maps to its own group's prompt, and a group
+    with no row left is dropped."""
+    torch.manual_seed(0)
+    decoder = LeanDecoder(_tiny("llama"), 32)
+    with torch.inference_mode():
+        cache = LeanCache(decoder, 6, 8)
+        cache.kv.normal_()
+        cache.bias.normal_()
+        cache.count.copy_(torch.arange(6) * 10)
+        if shared:
+            cache.prefix = lean_decode._Prefix(torch.randn(2, 2, 8, 5, 12), torch.zeros(2, 1, 1, 5), 3, None)
+        kv, bias, count = cache.kv.clone(), cache.bias.clone(), cache.count.clone()
+        idx = torch.tensor([1, 3, 4, 5]) if not shared else torch.tensor([3, 4, 5])   # group 0 leaves whole
+        out, order = cache.compact(idx)
+    n = idx.numel()
+    assert sorted(order.tolist()) == idx.tolist()
+    assert all(order[r] == r for r in idx.tolist() if r < n)   # kept rows below n never move
+    assert out.kv.untyped_storage().data_ptr() == cache.kv.untyped_storage().data_ptr()   # in its own tensors
+    assert torch.equal(out.kv, kv[:, order]) and torch.equal(out.bias, bias[order])
+    assert torch.equal(out.count, count[order])
+    if shared:
+        pre = out.prefix
+        assert pre.kv.size(1) == 1   # group 0 is gone
+        slots = torch.arange(n) if pre.slots is None else pre.slots
+        assert torch.equal(slots // 3, torch.zeros(n, dtype=torch.long))   # every row is of the group left
+        assert torch.equal(slots % 3, order % 3)                             # and keeps its place in it
+
+
+def test_lean_rows_leave_the_batch_the_step_they_finish_and_decode_as_alone():
+    """On the lean path a finished row leaves the decode batch at once (its cache's last rows move into
+    its place), so step t decodes exactly the rows still going; every row samples the tokens it samples
+    decoded alone, with its log-probs (to float rounding: a shorter prompt is prefilled left-padded)."""
+    from grpolab.rollout.keys import completion_keys
+    model = HFPolicy(_tiny("llama_gqa_bias_rope_scaling"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    G = 3
+    lengths = torch.tensor([9, 4, 12, 2, 3, 2, 12, 7, 5])
+    keys = completion_keys(3, torch.arange(3).repeat_interleave(G), torch.arange(G).repeat(3))
+    seen = []
+
+    def force(lens):
+        def hook(logits, t, rows):
+            seen.append(sorted(rows.tolist()))
+            logits[:, 1] = float("-inf")
+            at = lens[rows] == t + 1
+            logits[at] = float("-inf")
+            logits[at, 1] = 0.0
+            return logits
+        return hook
+    with torch.inference_mode():
+        out = generate(model, prompts, num_generations=G, max_new_tokens=12, temperature=1.0, stop_ids=(1,),
+                       keys=keys, logits_hook=force(lengths))
+        assert torch.equal(out.completion_mask.sum(-1), lengths)
+        assert seen == [[r for r in range(9) if lengths[r] > t] for t in range(12)]   # at once, every step
+        for r in range(9):
+            alone = generate(model, [prompts[r // G]], num_generations=1, max_new_tokens=12, temperature=1.0,
+                             stop_ids=(1,), keys=keys[r:r + 1], logits_hook=force(lengths[r:r + 1]))
+            n = int(lengths[r])
+            assert torch.equal(alone.completion_ids[0, :n], out.completion_ids[r, :n]), r
+            torch.testing.assert_close(alone.sampler_logprobs[0, :n], out.sampler_logprobs[r, :n], atol=1e-5, rtol=0)

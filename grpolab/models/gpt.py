@@ -50,7 +50,7 @@ class KVCache:
 
     `kv[layer]` is (B, 2H, T_max, D): keys in heads [0, H), values in [H, 2H), so one copy
     writes both. `key_valid` (B, T_max) marks which cached positions are real tokens.
-    `count` (B,) set (the server's continuous batching, serve/kv_cache.py): each row's positions are
+    `count` (B,) set (the server's continuous batching, rollout/kv_cache.py): each row's positions are
     its count of real tokens so far, not the cache column, so a row may move to other columns.
     """
 

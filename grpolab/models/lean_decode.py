@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import cache_mask, rotate
+from .row_attention import attend_runs, runs
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -207,13 +208,53 @@ class _Prefix:
         self.group = group    # G rows per group
         self.slots = slots    # (B,) each row's index in groups x G; None: row r is slot r (all rows present)
 
+    def of_rows(self, rows: torch.Tensor) -> "_Prefix":
+        """The prefix of a batch made of `rows` (indices into this batch, in their new order); groups with
+        no row left are dropped."""
+        G = self.group
+        slots = rows if self.slots is None else self.slots[rows]
+        groups = slots // G
+        alive = torch.unique(groups)   # sorted
+        kv, bias = self.kv, self.bias
+        if alive.numel() < kv.size(1):
+            kv, bias = kv[:, alive], bias[alive]
+            slots = torch.searchsorted(alive, groups) * G + slots % G
+        whole = slots.numel() == kv.size(1) * G and bool((slots == torch.arange(slots.numel())).all())
+        return _Prefix(kv, bias, G, None if whole else slots)
+
+
+class _Store:
+    """A LeanCache's tensors, of which a batch uses the first rows: rows leave by moving the last rows into
+    their places, and join (the server) by a copy of their own rows into free ones, instead of copying
+    every row into new tensors."""
+
+    def __init__(self, kv: torch.Tensor, bias: torch.Tensor, count: torch.Tensor) -> None:
+        self.kv, self.bias, self.count = kv, bias, count
+
+    @classmethod
+    def room(cls, like: "LeanCache", capacity: int) -> "_Store":
+        """Empty tensors shaped as `like`'s, with room for `capacity` rows."""
+        kv = like.kv
+        return cls(kv.new_zeros((kv.size(0), capacity, *kv.shape[2:])),
+                   like.bias.new_full((capacity, like.bias.size(1)), float("-inf")), like.count.new_zeros(capacity))
+
+    def rows(self, n: int, like: "LeanCache") -> "LeanCache":
+        """A LeanCache over the first `n` rows (views: the decoder writes into the store), at `like`'s write
+        column, with `like`'s prefix."""
+        out = LeanCache.__new__(LeanCache)
+        out.kv, out.bias, out.count = self.kv[:, :n], self.bias[:n], self.count[:n]
+        out.pos, out.max_len, out.decoder, out.prefix = like.pos, like.max_len, like.decoder, like.prefix
+        out.store = self
+        return out
+
 
 class LeanCache:
     """Preallocated K/V for every layer (keys in heads [0, KV), values in [KV, 2KV) so one copy
     writes both), the fused weights of this rollout, and per-row positions.
 
     After `share_prompt(G)` the prompt's keys and values are kept once per group (`prefix`) and `kv`
-    holds the completions only; a decode step attends to both and merges the two softmaxes."""
+    holds the completions only; a decode step attends to both and merges the two softmaxes.
+    `store`: when set, kv, bias and count are the first rows of its tensors (`compact`, `extend`)."""
 
     def __init__(self, decoder: "LeanDecoder", batch: int, max_len: int) -> None:
         d = decoder
@@ -224,15 +265,18 @@ class LeanCache:
         self.count = torch.zeros(batch, dtype=torch.long, device=d.device)  # real tokens seen per row
         self.pos, self.max_len, self.decoder = 0, max_len, decoder
         self.prefix: _Prefix | None = None
+        self.store: _Store | None = None
+
+    def _like(self, kv: torch.Tensor, bias: torch.Tensor, count: torch.Tensor, prefix: _Prefix | None) -> "LeanCache":
+        out = LeanCache.__new__(LeanCache)
+        out.kv, out.bias, out.count, out.prefix, out.store = kv, bias, count, prefix, None
+        out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
+        return out
 
     def repeat_interleave(self, n: int) -> "LeanCache":
         """Each row n times (a prompt prefilled once, shared by its n samples)."""
-        out = LeanCache.__new__(LeanCache)
-        out.kv = self.kv.repeat_interleave(n, dim=1)
-        out.bias = self.bias.repeat_interleave(n, dim=0)
-        out.count = self.count.repeat_interleave(n, dim=0)
-        out.pos, out.max_len, out.decoder, out.prefix = self.pos, self.max_len, self.decoder, None
-        return out
+        return self._like(self.kv.repeat_interleave(n, dim=1), self.bias.repeat_interleave(n, dim=0),
+                          self.count.repeat_interleave(n, dim=0), None)
 
     def share_prompt(self, n: int) -> "LeanCache":
         """Each row n times for decoding, like `repeat_interleave`, but where it pays (a CPU decode,
@@ -249,23 +293,40 @@ class LeanCache:
         return out
 
     def select(self, rows: torch.Tensor) -> "LeanCache":
-        """The cache of `rows` (indices, e.g. the rows still decoding), same columns."""
-        out = LeanCache.__new__(LeanCache)
-        out.kv, out.bias, out.count = self.kv[:, rows], self.bias[rows], self.count[rows]
-        out.pos, out.max_len, out.decoder, out.prefix = self.pos, self.max_len, self.decoder, self.prefix
-        if self.prefix is not None:   # the rows' slots; groups with no row left are dropped
-            pre = self.prefix
-            G = pre.group
-            slots = rows if pre.slots is None else pre.slots[rows]
-            groups = slots // G
-            alive = torch.unique(groups)   # sorted
-            kv, bias = pre.kv, pre.bias
-            if alive.numel() < kv.size(1):
-                kv, bias = kv[:, alive], bias[alive]
-                slots = torch.searchsorted(alive, groups) * G + slots % G
-            whole = slots.numel() == kv.size(1) * G and bool((slots == torch.arange(slots.numel())).all())
-            out.prefix = _Prefix(kv, bias, G, None if whole else slots)
-        return out
+        """The cache of `rows` (indices, e.g. the rows still decoding), same columns, in new tensors."""
+        return self._like(self.kv[:, rows], self.bias[rows], self.count[rows],
+                          None if self.prefix is None else self.prefix.of_rows(rows))
+
+    def compact(self, idx: torch.Tensor) -> tuple["LeanCache", torch.Tensor]:
+        """The rows `idx` (increasing) in this cache's own tensors: each leaving row's place is taken by one
+        of the last kept rows, so only those are copied. Returns the cache (this one is spent) and its
+        rows' order, as indices into this batch: a row computes the same wherever it sits."""
+        n = idx.numel()
+        store = self.store if self.store is not None else _Store(self.kv, self.bias, self.count)
+        order = torch.arange(n, device=idx.device)
+        dst = (~torch.isin(order, idx)).nonzero().squeeze(1)   # leavers' places among the first n rows
+        if dst.numel():
+            src = idx[idx >= n]   # kept rows beyond the first n, as many as there are holes
+            store.kv[:, dst], store.bias[dst], store.count[dst] = store.kv[:, src], store.bias[src], store.count[src]
+            order[dst] = src
+        out = store.rows(n, self)
+        if self.prefix is not None:
+            out.prefix = self.prefix.of_rows(order)
+        return out, order
+
+    def extend(self, other: "LeanCache", capacity: int) -> "LeanCache":
+        """This cache's rows, then `other`'s (same write column and width; no shared prompts), in a store
+        with room for twice the rows (up to `capacity`), so that later joins copy only their own rows."""
+        na, nb = self.kv.size(1), other.kv.size(1)
+        a = self
+        if a.store is None or a.store.kv.size(1) < na + nb:
+            # room for twice the rows (up to `capacity`): a long context's store is not capacity rows up front
+            store = _Store.room(a, max(na + nb, min(capacity, 2 * (na + nb))))
+            store.kv[:, :na], store.bias[:na], store.count[:na] = a.kv, a.bias, a.count
+            a = store.rows(na, a)
+        s = a.store
+        s.kv[:, na:na + nb], s.bias[na:na + nb], s.count[na:na + nb] = other.kv, other.bias, other.count
+        return s.rows(na + nb, a)
 
 
 def _flash(q, k, v, mask, scale):
@@ -338,6 +399,9 @@ class LeanDecoder:
             sin = torch.cat([sin.expand(-1, qk, -1), torch.zeros_like(sin).expand(-1, kv, -1)], dim=1)
         # one table, one row lookup per position: (max_len, 2, heads or 1, head_dim), cos then sin
         self.rope = torch.stack([cos, sin], dim=1).contiguous()
+        # a CPU decode step attends run by run of rows, over each run's own columns (row_attention.py);
+        # elsewhere the cut would synchronise every step
+        self.by_rows = self.device.type == "cpu"
 
     def _rope(self, pos: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B, heads or 1, T, D) at flat positions `pos` (B*T,)."""
@@ -356,11 +420,14 @@ class LeanDecoder:
         if cache.prefix is not None and (T != 1 or key_valid is not None):
             raise RuntimeError("a shared-prompt LeanCache decodes one token per row at a time")
         # positions as HF computes them from the attention mask: the count of real tokens before
+        parts = [(0, B, end)]   # runs of rows and the columns each attends over: all, unless cut below
         if key_valid is None and T == 1:   # decode: one real token per row
             cache.bias[:, start] = 0.0
             cos, sin = self._rope(cache.count, B, 1)
             cache.count += 1   # after the lookup
             mask = cache.bias[:, None, None, :end]
+            if self.by_rows and cache.prefix is None:   # a row's real tokens are its last `count` columns
+                parts = runs(cache.count.tolist())
         else:
             if key_valid is None:
                 key_valid = torch.ones(B, T, dtype=torch.bool, device=idx.device)
@@ -388,6 +455,8 @@ class LeanDecoder:
             kv = cache.kv[i, :, :, :end]
             if cache.prefix is not None:
                 y = _attend_shared(q, kv[:, :KV], kv[:, KV:], mask, cache.prefix, i, L.scaling)
+            elif T == 1:
+                y = attend_runs(q, kv[:, :KV], kv[:, KV:], mask, parts, L.scaling)
             else:
                 y = F.scaled_dot_product_attention(q, kv[:, :KV], kv[:, KV:], attn_mask=mask, scale=L.scaling,
                                                    enable_gqa=KV != H)

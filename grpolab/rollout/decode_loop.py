@@ -3,8 +3,9 @@
 `prefill`: the prompts prefilled in chunks into a KV cache sized for the completions, then fanned out
 to G rows per prompt, keeping one copy of a group's prompt where the cache can. `decode`: all rows
 decode together, one position per forward pass, until each has sampled a stop token or filled its
-budget. Without tools, rows that have finished leave the batch (a quarter of it at a time: dropping
-rows copies the KV cache), so a rollout costs the tokens actually generated. With tools
+budget. Without tools, rows that have finished leave the batch (kv_cache.keep: at once from the lean
+cache, which moves only the rows that fill their places; a quarter of it at a time from the others, which
+copy every row that stays), so a rollout costs the tokens actually generated. With tools
 (`tool_decode.ToolSession`), a row that ends a call is fed the result's tokens through the same
 forward passes the other rows decode with (see tool_decode). `Penalties`: vLLM's min_tokens and
 repetition/presence/frequency penalties, applied with the server's functions (logits_processors.py)
@@ -18,6 +19,7 @@ import torch
 
 from ..errors import NonFiniteLogits
 from ..utils.padding import pad_sequences
+from . import kv_cache
 from .generation import Generation
 from .keys import token_uniforms
 from .logits_processors import ban, penalize, token_counts
@@ -148,6 +150,7 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
     if penalties is not None and penalties.active:
         proc = RowProcessors(penalties, prompts, num_generations, logits.size(-1), stops, device)
     rows = torch.arange(B, device=device)   # the rows still in the batch (indices into the B outputs)
+    share = B if kv_cache.moves_rows(cache) else 4   # finished rows leave once they are 1/share of the batch
     done = torch.zeros(B, dtype=torch.bool, device=device)   # over the rows in the batch
     steps = 0
     for t in range(L):
@@ -182,11 +185,10 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
         n_done = int(done.sum())
         if n_done == done.numel() or t == L - 1:
             break
-        # Without tools, rows that have finished leave the batch once they are a quarter of it
-        if tools is None and n_done * 4 >= done.numel():
-            keep = (~done).nonzero().squeeze(1)
-            cache, tok, done, rows = cache.select(keep), tok[keep], done[keep], rows[keep]
-            keys = keys[keep] if keys is not None else None
+        if tools is None and n_done * share >= done.numel():   # (with tools every row stays)
+            cache, order = kv_cache.keep(cache, (~done).nonzero().squeeze(1))
+            tok, done, rows = tok[order], done[order], rows[order]
+            keys = keys[order] if keys is not None else None
         logits = model(tok[:, None], cache=cache)[:, -1]
     out, logps, fed = out[:, :steps], logps[:, :steps], fed[:, :steps]
     valid = torch.arange(steps, device=device)[None, :] < end[:, None]

@@ -29,12 +29,12 @@ from typing import Callable
 import torch
 
 from ..models.lean_prefill import packed_prefill
+from ..rollout import kv_cache
 from ..rollout import logits_processors as lp
 from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
 from ..rollout.structured import Constraint, Grammars
 from ..utils.padding import pad_sequences
-from . import kv_cache
 from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprob, prompt_logprobs
 
@@ -270,12 +270,13 @@ class Batcher:
                 self._record(job, choice, t)
             if not choice.done:
                 going.append(i)
-        # Dropping rows copies cache rows (every row of the built-in and HF caches; the moved ones of the lean
-        # frame), so finished rows stay (decoding tokens nobody reads) until a quarter of the batch has
-        # finished, or one of them would run past the context.
+        # Finished rows leave at once from the lean cache (only the rows that fill their places move). The
+        # built-in and HF caches copy every row that stays, so there finished rows stay (decoding tokens
+        # nobody reads) until a quarter of the batch has finished, or one of them would run past the context.
         dead = len(self.rows) - len(going)
         order = None   # the batch's rows as indices into `tokens`, when some left
-        if not going or dead * 4 >= len(self.rows) or (dead and int(self.cache.count.max()) >= self.context - 1):
+        share = len(self.rows) if kv_cache.moves_rows(self.cache) else 4
+        if not going or dead * share >= len(self.rows) or (dead and int(self.cache.count.max()) >= self.context - 1):
             order = self._keep(going)
         if self.rows:
             cols = kv_cache.width(self.cache)
@@ -288,17 +289,17 @@ class Batcher:
         return self.model(ids, key_valid=key_valid, cache=cache if cache is not None else self.cache,
                           logits_to_keep=1)[:, -1].float()
 
-    def _keep(self, idx: list[int]) -> list[int] | None:
+    def _keep(self, idx: list[int]) -> torch.Tensor | None:
         """Keep the rows `idx`; returns the order they are in now (indices into the old rows; kv_cache.keep
-        may move rows), or None when every row stays."""
+        may move rows), or None when every row stays or none does."""
         if len(idx) == len(self.rows):
             return None
         if not idx:
             self.rows, self.cache, self.logits = [], None, None
-            return idx
-        self.cache, order = kv_cache.keep(self.cache, idx)
-        self.rows = [self.rows[i] for i in order]
-        self.logits = self.logits[torch.tensor(order, device=self.device)]
+            return None
+        self.cache, order = kv_cache.keep(self.cache, torch.tensor(idx, device=self.device))
+        self.rows = [self.rows[i] for i in order.tolist()]
+        self.logits = self.logits[order]
         return order
 
     def _remaining(self, job: Job, choice: Choice) -> int:

@@ -1,4 +1,5 @@
-"""The KV cache of a continuously batched decode, where rows join and leave between steps.
+"""The KV cache of a batched decode, where rows leave (rollouts and the server) and join (the server)
+between steps.
 
 All rows write their next token at one shared column, `pos`. A row's real tokens are the last
 `count` columns before it (prompts are left-padded, then one token per step). Each row takes its
@@ -86,69 +87,31 @@ def place(cache, pos: int, cols: int | None):
     else:
         out.bias = cache.bias.new_full((cache.bias.size(0), cols), float("-inf"))
         out.bias[:, pos - k:pos] = cache.bias[:, old - k:old]
+        out.store = None   # new tensors of its own
     out.pos, out.max_len = pos, cols
     return out
 
 
-def _rows(frame: "_Frame", n: int, like: LeanCache) -> LeanCache:
-    """A LeanCache over the first `n` rows of `frame` (views: the decoder writes into the frame), at
-    `like`'s write column."""
-    out = LeanCache.__new__(LeanCache)
-    out.kv, out.bias, out.count = frame.kv[:, :n], frame.bias[:n], frame.count[:n]
-    out.pos, out.max_len, out.decoder, out.prefix = like.pos, like.max_len, like.decoder, None
-    out.frame = frame
-    return out
+def moves_rows(cache) -> bool:
+    """Whether `keep` moves only the rows that fill the leavers' places (a LeanCache), rather than
+    copying every row that stays."""
+    return isinstance(cache, LeanCache)
 
 
-class _Frame:
-    """A LeanCache's tensors with room for `capacity` rows, of which a batch uses the first ones: rows
-    join by a copy of their own columns into the free rows, and leave by moving the last rows into
-    their places, instead of copying every row into new tensors."""
-
-    def __init__(self, like: LeanCache, capacity: int) -> None:
-        kv = like.kv
-        self.kv = kv.new_zeros((kv.size(0), capacity, *kv.shape[2:]))
-        self.bias = like.bias.new_full((capacity, like.bias.size(1)), float("-inf"))
-        self.count = like.count.new_zeros(capacity)
-
-
-def _framed(cache) -> bool:
-    """Whether `cache` is rows of a frame (and not a copy made since, e.g. by `place`)."""
-    frame = getattr(cache, "frame", None)
-    return frame is not None and cache.kv.data_ptr() == frame.kv.data_ptr() and cache.kv.shape[2:] == frame.kv.shape[2:]
-
-
-def keep(cache, idx: list[int]):
-    """The rows `idx` (indices, increasing) of a batch's cache, and the order they are in: `idx` itself,
-    or for a framed LeanCache the kept rows where they were, each leaving row's place taken by one of the
-    last kept rows (only those are copied)."""
-    if not (isinstance(cache, LeanCache) and _framed(cache)):
-        return cache.select(torch.tensor(idx, device=cache.count.device)), idx
-    n = len(idx)
-    kept = set(idx)
-    holes = [r for r in range(n) if r not in kept]
-    movers = [r for r in idx if r >= n]
-    f = cache.frame
-    if holes:
-        src, dst = torch.tensor(movers, device=f.count.device), torch.tensor(holes, device=f.count.device)
-        f.kv[:, dst], f.bias[dst], f.count[dst] = f.kv[:, src], f.bias[src], f.count[src]
-    moved = dict(zip(holes, movers))
-    return _rows(f, n, cache), [moved.get(r, r) for r in range(n)]
+def keep(cache, idx: torch.Tensor) -> tuple[object, torch.Tensor]:
+    """The rows `idx` (indices, increasing) of a batch's cache, and the order they are in: `idx` itself
+    (the cache's own `select(rows)`), or for a LeanCache the kept rows where they were, each leaving row's
+    place taken by one of the last kept rows (`LeanCache.compact`: only those are copied)."""
+    if isinstance(cache, LeanCache):
+        return cache.compact(idx)
+    return cache.select(idx), idx
 
 
 def join(a, b, capacity: int = 0):
     """Rows of `a` then rows of `b`: two frames of the same write column and width. A LeanCache `a` is
     kept in a frame of up to `capacity` rows, into which later joins copy only their own rows."""
-    if isinstance(a, LeanCache) and a.prefix is None and b.prefix is None:
-        na, nb = a.kv.size(1), b.kv.size(1)
-        if not _framed(a) or a.frame.kv.size(1) < na + nb:
-            # room for twice the rows (up to `capacity`): a long context's frame is not max_batch rows wide up front
-            frame = _Frame(a, max(na + nb, min(capacity, 2 * (na + nb))))
-            frame.kv[:, :na], frame.bias[:na], frame.count[:na] = a.kv, a.bias, a.count
-            a = _rows(frame, na, a)
-        f = a.frame
-        f.kv[:, na:na + nb], f.bias[na:na + nb], f.count[na:na + nb] = b.kv, b.bias, b.count
-        return _rows(f, na + nb, a)
+    if isinstance(a, LeanCache):
+        return a.extend(b, capacity)
     if isinstance(a, HFCache):
         for la, lb in zip(_layers(a), _layers(b)):
             la.keys, la.values = torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values])

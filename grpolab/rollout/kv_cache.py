@@ -102,7 +102,7 @@ def keep(cache, idx: torch.Tensor) -> tuple[object, torch.Tensor]:
     """The rows `idx` (indices, increasing) of a batch's cache, and the order they are in: `idx` itself
     (the cache's own `select(rows)`), or for a LeanCache the kept rows where they were, each leaving row's
     place taken by one of the last kept rows (`LeanCache.compact`: only those are copied)."""
-    if isinstance(cache, LeanCache):
+    if moves_rows(cache):
         return cache.compact(idx)
     return cache.select(idx), idx
 

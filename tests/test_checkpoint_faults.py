@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -17,7 +18,7 @@ from test_grpo import TINY
 
 from grpolab.config.load import load_config
 from grpolab.errors import CheckpointError, ConfigError
-from grpolab.models import GPT, GPTConfig
+from grpolab.models import GPT, GPTConfig, checkpoint
 from grpolab.models.checkpoint import (
     load_model,
     load_training_state,
@@ -354,3 +355,27 @@ def test_a_full_disk_while_writing_the_weights_is_a_checkpoint_error(tmp_path):
                       f"(complete); free space and continue with train.resume=auto"), r.stdout
     assert out[1].startswith("SafetensorError ") and "No space left on device" in out[1], out[1]
     assert sorted(out[2:]) == [".", "..", "step_1"]
+
+
+# ---------------------------------------------------------------- pruning
+
+def test_a_kill_mid_prune_leaves_no_half_checkpoint_and_the_next_save_clears_it(base, tmp_path, monkeypatch):
+    """A kill lands while pruning deletes step_1, after it removed trainer_state.json: the half
+    directory must not stay as step_1 (no longer a complete checkpoint, pruning never saw it again)."""
+    root = _copy(base, tmp_path) / "checkpoints"
+    real_rmtree = shutil.rmtree
+
+    def killed_part_way(path, *a, **k):
+        if (Path(path) / "trainer_state.json").exists():
+            (Path(path) / "trainer_state.json").unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune_checkpoints(root, keep=2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    assert not (root / "step_1").exists()
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_2", "step_3"]
+    checkpoint.recover_checkpoints(root)   # what the next save and a resume call first
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]

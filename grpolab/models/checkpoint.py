@@ -53,7 +53,7 @@ from . import GPT, CharTokenizer, GPTConfig
 from .hf import HFPolicy, gguf_file, load_hf, load_hf_adapter
 from .lora import add_lora
 
-TMP = ".tmp_"     # a checkpoint being written: .tmp_step_N
+TMP = ".tmp_"     # a checkpoint being written (.tmp_step_N) or pruned (.tmp_pruned_step_N)
 ASIDE = ".old_"   # an existing step_N moved aside while its re-save is swapped in: .old_step_N
 UNUSABLE = "unusable_"   # train.resume=auto moved a checkpoint that failed its check out of the way
 MANIFEST = "manifest.json"
@@ -456,10 +456,15 @@ def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
 
 
 def prune_checkpoints(ckpt_root: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (keep 0 = keep all)."""
+    """Delete all but the newest `keep` checkpoints (keep 0 = keep all). Each is first renamed to a
+    .tmp_ name, so a kill mid-delete leaves what recover_checkpoints removes, never a half step_N."""
     if keep > 0:
         for p in list_checkpoints(ckpt_root)[:-keep]:
-            shutil.rmtree(p)
+            doomed = p.parent / f"{TMP}pruned_{p.name}"
+            shutil.rmtree(doomed, ignore_errors=True)   # what an earlier kill left
+            os.rename(p, doomed)
+            _fsync_dir(p.parent)
+            shutil.rmtree(doomed)
 
 
 def checkpoint_at(p: Path) -> Path:

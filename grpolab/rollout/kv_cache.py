@@ -92,6 +92,21 @@ def place(cache, pos: int, cols: int | None):
     return out
 
 
+def nbytes(cache) -> int:
+    """Bytes of the tensors a batch's cache holds (a LeanCache's whole store, however few rows it uses;
+    0 for no cache)."""
+    if cache is None:
+        return 0
+    if isinstance(cache, HFCache):
+        tensors = [t for layer in cache.past.layers for t in (layer.keys, layer.values)] + [cache.mask, cache.count]
+    else:
+        parts = [cache, getattr(cache, "store", None), getattr(cache, "prefix", None)]
+        tensors = [t for part in parts if part is not None for t in vars(part).values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
 def moves_rows(cache) -> bool:
     """Whether `keep` moves only the rows that fill the leavers' places (a LeanCache), rather than
     copying every row that stays."""

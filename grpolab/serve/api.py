@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from ..rollout import kv_cache
 from .body_limit import LimitBody
 from .metrics import CONTENT_TYPE, CountRequests
 from .requests import APIError, ChatRequest, CompletionRequest, Server, error_body
@@ -76,7 +77,8 @@ def create_app(server: Server) -> FastAPI:
     async def health():
         b = server.batcher
         return {"status": "ok", "running": b.running, "waiting": b.waiting, "waiting_rows": b.waiting_rows,
-                "steps": b.steps, "preparing": server.preparing}
+                "steps": b.steps, "preparing": server.preparing, "kv_cache_bytes": kv_cache.nbytes(b.cache),
+                "prefix_cache_bytes": 0 if b.prefix_cache is None else b.prefix_cache.bytes}
 
     @app.get("/v1/models")
     async def models():

@@ -297,6 +297,18 @@ class LeanCache:
         return self._like(self.kv[:, rows], self.bias[rows], self.count[rows],
                           None if self.prefix is None else self.prefix.of_rows(rows))
 
+    def place(self, pos: int, cols: int) -> "LeanCache":
+        """The same rows in new tensors of `cols` columns, their last min(pos, self.pos) columns ending at
+        column `pos` (the server's frame moved or grown)."""
+        k = min(self.pos, pos)
+        kv = self.kv.new_zeros((*self.kv.shape[:3], cols, self.kv.size(-1)))
+        kv[:, :, :, pos - k:pos] = self.kv[:, :, :, self.pos - k:self.pos]
+        bias = self.bias.new_full((self.bias.size(0), cols), float("-inf"))
+        bias[:, pos - k:pos] = self.bias[:, self.pos - k:self.pos]
+        out = self._like(kv, bias, self.count, self.prefix)
+        out.pos, out.max_len = pos, cols
+        return out
+
     def compact(self, idx: torch.Tensor) -> tuple["LeanCache", torch.Tensor]:
         """The rows `idx` (increasing) in this cache's own tensors: each leaving row's place is taken by one
         of the last kept rows, so only those are copied. Returns the cache (this one is spent) and its

@@ -150,7 +150,6 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
     if penalties is not None and penalties.active:
         proc = RowProcessors(penalties, prompts, num_generations, logits.size(-1), stops, device)
     rows = torch.arange(B, device=device)   # the rows still in the batch (indices into the B outputs)
-    share = B if kv_cache.moves_rows(cache) else 4   # finished rows leave once they are 1/share of the batch
     done = torch.zeros(B, dtype=torch.bool, device=device)   # over the rows in the batch
     steps = 0
     for t in range(L):
@@ -185,7 +184,7 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
         n_done = int(done.sum())
         if n_done == done.numel() or t == L - 1:
             break
-        if tools is None and n_done * share >= done.numel():   # (with tools every row stays)
+        if tools is None and kv_cache.leave_now(cache, n_done, done.numel()):   # (with tools every row stays)
             cache, order = kv_cache.keep(cache, (~done).nonzero().squeeze(1))
             tok, done, rows = tok[order], done[order], rows[order]
             keys = keys[order] if keys is not None else None

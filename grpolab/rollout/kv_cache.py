@@ -76,18 +76,15 @@ def place(cache, pos: int, cols: int | None):
         mask[:, pos - k:] = cache.mask[:, old - k:old]
         cache.mask = mask
         return cache
+    if isinstance(cache, LeanCache):
+        return cache.place(pos, cols)
     out = type(cache).__new__(type(cache))
     out.__dict__.update(cache.__dict__)
     kv = cache.kv
     out.kv = kv.new_zeros((*kv.shape[:3], cols, kv.size(-1)))
     out.kv[:, :, :, pos - k:pos] = kv[:, :, :, old - k:old]
-    if isinstance(cache, KVCache):
-        out.key_valid = cache.key_valid.new_zeros((cache.key_valid.size(0), cols))
-        out.key_valid[:, pos - k:pos] = cache.key_valid[:, old - k:old]
-    else:
-        out.bias = cache.bias.new_full((cache.bias.size(0), cols), float("-inf"))
-        out.bias[:, pos - k:pos] = cache.bias[:, old - k:old]
-        out.store = None   # new tensors of its own
+    out.key_valid = cache.key_valid.new_zeros((cache.key_valid.size(0), cols))
+    out.key_valid[:, pos - k:pos] = cache.key_valid[:, old - k:old]
     out.pos, out.max_len = pos, cols
     return out
 
@@ -111,6 +108,13 @@ def moves_rows(cache) -> bool:
     """Whether `keep` moves only the rows that fill the leavers' places (a LeanCache), rather than
     copying every row that stays."""
     return isinstance(cache, LeanCache)
+
+
+def leave_now(cache, finished: int, rows: int) -> bool:
+    """Whether the `finished` of a batch's `rows` should leave now: any from a LeanCache (only the rows
+    that fill their places move); from the others, whose `select` copies every row that stays, once
+    they are a quarter of the batch."""
+    return finished > 0 and (moves_rows(cache) or finished * 4 >= rows)
 
 
 def keep(cache, idx: torch.Tensor) -> tuple[object, torch.Tensor]:

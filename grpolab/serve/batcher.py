@@ -275,8 +275,8 @@ class Batcher:
         # nobody reads) until a quarter of the batch has finished, or one of them would run past the context.
         dead = len(self.rows) - len(going)
         order = None   # the batch's rows as indices into `tokens`, when some left
-        share = len(self.rows) if kv_cache.moves_rows(self.cache) else 4
-        if not going or dead * share >= len(self.rows) or (dead and int(self.cache.count.max()) >= self.context - 1):
+        if (not going or kv_cache.leave_now(self.cache, dead, len(self.rows))
+                or (dead and int(self.cache.count.max()) >= self.context - 1)):
             order = self._keep(going)
         if self.rows:
             cols = kv_cache.width(self.cache)

@@ -202,7 +202,8 @@ def test_shared_prompt_decode_samples_what_per_row_copies_sample(monkeypatch):
 
 def test_prompt_keys_are_shared_only_where_it_saves_enough_bytes():
     """share_prompt's default rule (lean_decode.SHARE_MIN_BYTES): 8 prompts x 128 tokens x 8 samples of
-    a 512-wide model share (29 MiB per layer saved); the same with 16-token prompts (3.7 MiB) copy."""
+    a 512-wide model share (29 MiB per layer saved); the same with 16-token prompts (3.7 MiB, under the 4 MiB
+    threshold) copy."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpolab.models.hf import HFPolicy

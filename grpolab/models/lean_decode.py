@@ -193,10 +193,11 @@ def hf_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 # share_prompt(): keep one copy of a group's prompt keys and values when that saves at least this
-# many bytes per layer. Measured (docs/benchmarks.md, round 3): at 64 rows x 128 prompt tokens x 512
-# wide (28 MiB per layer saved) the two-part attention is faster; at the tiny bench's 16 prompts x 4 rows x
-# 22 tokens x 128 wide (1 MiB) the per-row copy wins, the prompt being cache-resident anyway.
-SHARE_MIN_BYTES = 8 * 2**20
+# many bytes per layer. Measured (docs/benchmarks.md): the two-part attention is faster at 64 rows x 128
+# prompt tokens x 512 wide (28 MiB per layer saved) and at SmolLM2's 4 prompts x 8 rows x 153 tokens (6.3 MiB,
+# bench/row_attention.py); at the tiny bench's 16 prompts x 4 rows x 22 tokens x 128 wide (1 MiB) the per-row
+# copy wins, the prompt being cache-resident anyway.
+SHARE_MIN_BYTES = 4 * 2**20
 
 
 class _Prefix:

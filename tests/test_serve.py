@@ -19,6 +19,7 @@ from conftest import run_cli, running_server, staggered
 from grpolab.data.tasks import arithmetic
 from grpolab.models import GPT, CharTokenizer, GPTConfig
 from grpolab.models.checkpoint import load_model, save_checkpoint
+from grpolab.rollout import kv_cache
 from grpolab.rollout.engine import generate
 from grpolab.serve.batcher import Batcher, Job, SamplingParams, held_back
 
@@ -260,9 +261,14 @@ def test_batcher_rows_joining_a_running_batch_decode_as_alone(kind, tmp_path, mo
     b = Batcher(model, tok, max_batch=8, context=512, decoder=decoder)
     j = Job(prompts[2], sampled, draw=2)
     b.submit(j)
+    b.step()
+    # /health's kv_cache_bytes: at least the keys and values of the prompt's 3 rows, then nothing once idle
+    layers, width = (2, 64) if kind == "builtin" else (2, 32)
+    assert kv_cache.nbytes(b.cache) >= layers * 2 * 3 * len(prompts[2]) * width * 4
     while not b.idle():
         b.step()
     assert [c.tokens for c in j.choices] == together[2]
+    assert b.cache is None and kv_cache.nbytes(b.cache) == 0
 
 
 def test_held_back_text_waits_for_possible_stop_strings():

@@ -75,11 +75,24 @@ def test_200_streams_with_hang_ups_leave_nothing_behind_and_match_their_runs_alo
                         "--prefix-cache-gib", str(PREFIX_CACHE_GIB)) as (url, proc):
         idle = _health(url)["kv_cache_bytes"]
 
+        peak = 0
+
+        async def watch(ac: httpx.AsyncClient, storm: asyncio.Future):
+            nonlocal peak
+            while not storm.done():
+                peak = max(peak, (await ac.get("/health")).json()["kv_cache_bytes"])
+                await asyncio.sleep(0.02)
+
         async def storm():
             async with httpx.AsyncClient(base_url=url, timeout=300,
                                          limits=httpx.Limits(max_connections=None)) as ac:
-                return await asyncio.gather(*(_stream(ac, r) for r in reqs))
+                streams = asyncio.gather(*(_stream(ac, r) for r in reqs))
+                await watch(ac, streams)
+                return await streams
         streamed = asyncio.run(storm())
+        # the running batch's keys and values, as counted plainly: at most 32 rows x 512 columns, each
+        # column 2 layers x (keys and values) x 4 heads x 8 dims in float32 plus its mask entry
+        assert 0 < peak <= 32 * 512 * (2 * 2 * 4 * 8 * 4 + 4) + 32 * 8, peak
 
         for _ in range(200):   # hung-up rows leave at the batcher's next step
             h = _health(url)

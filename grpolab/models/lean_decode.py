@@ -242,9 +242,7 @@ class _Store:
     def rows(self, n: int, like: "LeanCache") -> "LeanCache":
         """A LeanCache over the first `n` rows (views: the decoder writes into the store), at `like`'s write
         column, with `like`'s prefix."""
-        out = LeanCache.__new__(LeanCache)
-        out.kv, out.bias, out.count = self.kv[:, :n], self.bias[:n], self.count[:n]
-        out.pos, out.max_len, out.decoder, out.prefix = like.pos, like.max_len, like.decoder, like.prefix
+        out = like._like(self.kv[:, :n], self.bias[:n], self.count[:n], like.prefix)
         out.store = self
         return out
 

@@ -63,6 +63,8 @@ def place(cache, pos: int, cols: int | None):
     """The same rows with their last min(pos, old pos) columns moved to end at column `pos`, in a frame
     of `cols` columns (ignored for HF's growing cache). The caller keeps every row's real tokens:
     pos >= the largest count."""
+    if isinstance(cache, LeanCache):
+        return cache.place(pos, cols)
     old = write_pos(cache)
     k = min(old, pos)
     if isinstance(cache, HFCache):
@@ -76,8 +78,6 @@ def place(cache, pos: int, cols: int | None):
         mask[:, pos - k:] = cache.mask[:, old - k:old]
         cache.mask = mask
         return cache
-    if isinstance(cache, LeanCache):
-        return cache.place(pos, cols)
     out = type(cache).__new__(type(cache))
     out.__dict__.update(cache.__dict__)
     kv = cache.kv

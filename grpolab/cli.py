@@ -152,6 +152,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--prefix-cache-gib", type=float, default=1.0,
                    help="memory for the keys and values of prompt prefixes already seen, reused by later prompts "
                         "that start the same way (default 1.0; 0: prefix caching off). Llama-family models only")
+    v.add_argument("--prefill-chunk", type=int, default=512,
+                   help="while requests are decoding, prefill at most this many new prompt tokens per step, so a "
+                        "long prompt goes in chunks and the running streams keep going (default 512; 0: no limit; "
+                        "else at least 16). Llama-family models only")
 
     g = sub.add_parser("generate", help="offline batch generation for a jsonl of prompts (resumable)")
     g.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")

@@ -117,6 +117,48 @@ def test_a_batcher_with_the_prefix_cache_samples_the_same_tokens(llama):
         assert cache.hits - hits_first == sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
 
 
+def _chunked_run(model, tok, d, prompts, params, chunk, cache=None):
+    """Jobs submitted one per step to a batcher prefilling `chunk` tokens per step while rows decode (0: no
+    limit); each job's tokens, and per step (the head job's prefilled positions, tokens of each running row)."""
+    b = Batcher(model, tok, max_batch=8, context=512, decoder=d, prefix_cache=cache, prefill_chunk=chunk)
+    jobs = [Job(p, params, draw=i) for i, p in enumerate(prompts)]
+    trace, pending = [], list(jobs)
+    while pending or not b.idle():
+        if pending:
+            b.submit(pending.pop(0))
+        before = {(id(j), c.index): len(c.tokens) for j, c in b.rows if not c.done}
+        b.step()
+        head = b._head
+        held = None if head is None or head.kv is None else (id(head), head.kv.size(2))
+        after = {(id(j), c.index): len(c.tokens) for j, c in b.rows}
+        trace.append((held, before, after))
+    return [[c.tokens for c in j.choices] for j in jobs], trace
+
+
+def test_long_prompts_prefill_in_chunks_while_rows_decode_and_sample_the_same_tokens(llama):
+    model, tok, d, _ = llama
+    long = [tok.encode(SYSTEM * 3 + q) for q in QUESTIONS[:5]]
+    prompts = [tok.encode(QUESTIONS[5])] + [p for pair in zip(long, _prompts(tok, 5)) for p in pair]
+    assert min(len(p) for p in long) > 3 * 32
+    for params in (SamplingParams(max_tokens=24, temperature=0.0),
+                   SamplingParams(max_tokens=24, temperature=1.0, top_k=20, n=2, seed=5)):
+        whole, _ = _chunked_run(model, tok, d, prompts, params, 0)
+        for chunk, cache in ((16, None), (32, None), (32, PrefixCache(2**30))):
+            got, trace = _chunked_run(model, tok, d, prompts, params, chunk, cache)
+            assert got == whole
+            held = [h for h, _, _ in trace if h is not None]
+            assert len({job for job, _ in held}) >= len(long)   # every long prompt waited part-prefilled
+            assert all(n % BLOCK == 0 for _, n in held)   # chunks end on block boundaries
+            # a job's prefix grows by one chunk per step at most (its first step may add cached blocks too)
+            grew = [n2 - n1 for (j1, n1), (j2, n2) in zip(held, held[1:]) if j1 == j2]
+            assert grew and max(grew) == chunk
+            if cache is not None:
+                assert cache.hits > 0
+            for h, before, after in trace:
+                if h is not None:   # while a prompt is part-prefilled, every running row still gets its token
+                    assert all(after.get(k, n + 1) == n + 1 for k, n in before.items())
+
+
 def _prefix_counts(url: str) -> dict[str, float]:
     lines = httpx.get(url + "/metrics").text.splitlines()
     return {k: float(v) for k, v in (line.split() for line in lines if line.startswith("grpolab:prefix_cache_"))}

@@ -220,6 +220,10 @@ def test_ceilings_are_checked_at_startup(ckpt):
     r = run_cli("serve", str(ckpt), "--port", "0", "--max-waiting", "0")
     assert r.returncode == 2 and _one_line(r) == [
         "grpolab: usage error: argument --max-waiting: must be >= 1, got 0 (see grpolab serve --help)"]
+    for bad in ("8", "-16"):   # a chunk ends on a 16-token block boundary: it must hold one
+        r = run_cli("serve", str(ckpt), "--port", "0", "--prefill-chunk", bad)
+        assert r.returncode == 2 and len(_one_line(r)) == 1
+        assert f"--prefill-chunk must be 0 (no limit) or at least 16 tokens, got {bad}" in r.stderr
 
 
 def test_generate_n_above_the_batch_is_refused(ckpt, tmp_path):

@@ -1,5 +1,5 @@
 """200 concurrent streamed requests against the real server (a tiny Llama: the lean decoder, packed
-prefill and a small prefix cache that must evict), with random prompt and output lengths, n of 1-3, and
+prefill in small chunks and a small prefix cache that must evict), with random prompt and output lengths, n of 1-3, and
 a third of the clients hanging up mid-stream. No request errs, the memory the server holds for keys and
 values returns to its idle level (its own count, /health; the process's RSS also grows with oneDNN's
 cache of kernels per matrix shape, see docs/serving.md), and every seeded request's text equals its run
@@ -21,6 +21,7 @@ from grpolab.models.tiny_hf import save_tiny_model
 QUESTIONS = [r["prompt"] for r in arithmetic.generate("test", 64, seed=3)]
 SYSTEM = "You are a careful calculator. Think step by step and end with #### and the answer.\n"
 PREFIX_CACHE_GIB = 2**20 / 2**30   # 1 MiB: about 128 blocks of this model's 16 tokens, so it evicts
+PREFILL_CHUNK = 32   # most prompts here are longer: they join in chunks while other rows decode
 
 
 def _health(url: str) -> dict:
@@ -71,8 +72,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_200_streams_with_hang_ups_leave_nothing_behind_and_match_their_runs_alone(model_dir):
     reqs = _requests(200)
-    with running_server(model_dir, "--name", "tiny", "--max-batch", "32",
-                        "--prefix-cache-gib", str(PREFIX_CACHE_GIB)) as (url, proc):
+    with running_server(model_dir, "--name", "tiny", "--max-batch", "32", "--prefix-cache-gib",
+                        str(PREFIX_CACHE_GIB), "--prefill-chunk", str(PREFILL_CHUNK)) as (url, proc):
         idle = _health(url)["kv_cache_bytes"]
 
         peak = 0

@@ -24,4 +24,5 @@ def run(cfg: None, args: Namespace) -> None:
     serve(args.model, host=args.host, port=args.port, max_batch=args.max_batch, name=args.name,
           max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
           api_key=args.api_key, max_rows_per_request=args.max_rows_per_request, max_waiting=args.max_waiting,
-          max_request_bytes=args.max_request_bytes, prefix_cache_gib=args.prefix_cache_gib)
+          max_request_bytes=args.max_request_bytes, prefix_cache_gib=args.prefix_cache_gib,
+          prefill_chunk=args.prefill_chunk)

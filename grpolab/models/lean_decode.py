@@ -224,6 +224,12 @@ class _Prefix:
         return _Prefix(kv, bias, G, None if whole else slots)
 
 
+def store_rows(rows: int, capacity: int) -> int:
+    """Rows a store for `rows` makes room for: twice as many, up to `capacity` (a long context's store is
+    not `capacity` rows up front)."""
+    return max(rows, min(capacity, 2 * rows))
+
+
 class _Store:
     """A LeanCache's tensors, of which a batch uses the first rows: rows leave by moving the last rows into
     their places, and join (the server) by a copy of their own rows into free ones, instead of copying
@@ -296,17 +302,20 @@ class LeanCache:
         return self._like(self.kv[:, rows], self.bias[rows], self.count[rows],
                           None if self.prefix is None else self.prefix.of_rows(rows))
 
-    def place(self, pos: int, cols: int) -> "LeanCache":
+    def place(self, pos: int, cols: int, room: int = 0) -> "LeanCache":
         """The same rows in new tensors of `cols` columns, their last min(pos, self.pos) columns ending at
-        column `pos` (the server's frame moved or grown)."""
-        k = min(self.pos, pos)
-        kv = self.kv.new_zeros((*self.kv.shape[:3], cols, self.kv.size(-1)))
-        kv[:, :, :, pos - k:pos] = self.kv[:, :, :, self.pos - k:self.pos]
-        bias = self.bias.new_full((self.bias.size(0), cols), float("-inf"))
-        bias[:, pos - k:pos] = self.bias[:, self.pos - k:self.pos]
-        out = self._like(kv, bias, self.count, self.prefix)
+        column `pos` (the server's frame moved or grown); with `room` rows (more than these), the first
+        rows of a store that the rows joining next are copied into (`extend`), so the frame is made once."""
+        k, n = min(self.pos, pos), self.kv.size(1)
+        rows = max(n, room)
+        kv = self.kv.new_zeros((self.kv.size(0), rows, *self.kv.shape[2:3], cols, self.kv.size(-1)))
+        kv[:, :n, :, pos - k:pos] = self.kv[:, :, :, self.pos - k:self.pos]
+        bias = self.bias.new_full((rows, cols), float("-inf"))
+        bias[:n, pos - k:pos] = self.bias[:, self.pos - k:self.pos]
+        count = self.count if rows == n else torch.cat([self.count, self.count.new_zeros(rows - n)])
+        out = self._like(kv, bias, count, self.prefix)
         out.pos, out.max_len = pos, cols
-        return out
+        return out if rows == n else _Store(kv, bias, count).rows(n, out)
 
     def compact(self, idx: torch.Tensor) -> tuple["LeanCache", torch.Tensor]:
         """The rows `idx` (increasing) in this cache's own tensors: each leaving row's place is taken by one
@@ -331,8 +340,7 @@ class LeanCache:
         na, nb = self.kv.size(1), other.kv.size(1)
         a = self
         if a.store is None or a.store.kv.size(1) < na + nb:
-            # room for twice the rows (up to `capacity`): a long context's store is not capacity rows up front
-            store = _Store.room(a, max(na + nb, min(capacity, 2 * (na + nb))))
+            store = _Store.room(a, store_rows(na + nb, capacity))
             store.kv[:, :na], store.bias[:na], store.count[:na] = a.kv, a.bias, a.count
             a = store.rows(na, a)
         s = a.store

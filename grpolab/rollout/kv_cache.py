@@ -22,7 +22,7 @@ import torch
 
 from ..models.gpt import KVCache
 from ..models.hf import HFCache
-from ..models.lean_decode import LeanCache
+from ..models.lean_decode import LeanCache, store_rows
 
 
 def new_cache(model, batch: int, width: int, decoder=None):
@@ -59,12 +59,14 @@ def _layers(cache: HFCache) -> list:
     return layers
 
 
-def place(cache, pos: int, cols: int | None):
+def place(cache, pos: int, cols: int | None, joining: int = 0, capacity: int = 0):
     """The same rows with their last min(pos, old pos) columns moved to end at column `pos`, in a frame
     of `cols` columns (ignored for HF's growing cache). The caller keeps every row's real tokens:
-    pos >= the largest count."""
+    pos >= the largest count. A LeanCache about to `join` `joining` rows (up to `capacity`) gets the
+    room for them in the same new frame."""
     if isinstance(cache, LeanCache):
-        return cache.place(pos, cols)
+        n = cache.kv.size(1)
+        return cache.place(pos, cols, store_rows(n + joining, capacity) if joining else 0)
     old = write_pos(cache)
     k = min(old, pos)
     if isinstance(cache, HFCache):

@@ -35,7 +35,7 @@ from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
 from ..rollout.structured import Constraint, Grammars
 from ..utils.padding import pad_sequences
-from .prefix_cache import PrefixCache
+from .prefix_cache import BLOCK, PrefixCache
 from .prompt_logprobs import PromptLogprob, prompt_logprobs
 
 # a frame is rebuilt tighter once this many leading columns are padding for every row
@@ -46,6 +46,10 @@ MAX_LOGPROBS = 20
 # a temperature below this samples greedily (as vLLM's): logits / 1e-300 overflow float32 to inf, and
 # the softmax of infinities is NaN, which drew the vocabulary's last token instead of the best one
 GREEDY_BELOW = 1e-5
+# while rows decode, a step prefills at most this many new prompt tokens (a longer prompt goes in chunks over
+# several steps, its keys and values kept on its Job), so a long prompt delays the running streams by one
+# chunk per token, not by its whole prefill (vLLM's chunked prefill); with no rows decoding there is no limit
+PREFILL_CHUNK = 512
 # a prefill that keeps every position's logits (jobs asking for prompt log-probs) admits jobs while
 # jobs × prompt width × vocabulary stays under this many logits (1 GiB in float32); the first always goes
 PROMPT_LOGITS = 2**28
@@ -165,6 +169,10 @@ class Job:
             keys = [secrets.randbits(32) for _ in range(params.n)]
         self.choices = [Choice(index=j, key=k) for j, k in enumerate(keys)]
         self.matchers: list | None = None   # structured output: one grammar matcher per choice (the batcher's)
+        # packed prefill: the keys and values of the prompt's first tokens, known before its next prefill (a
+        # cached prefix, then each chunk's); `started` once looked up in the prefix cache
+        self.kv: torch.Tensor | None = None
+        self.started = False
         self.cancelled = False
         self.error: str | None = None
 
@@ -179,9 +187,10 @@ class Job:
 
 class Batcher:
     def __init__(self, model, tok, *, max_batch: int = 64, context: int, decoder=None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model, self.tok = model, tok
         self.max_batch, self.context = max_batch, context
+        self.prefill_chunk = prefill_chunk   # 0: no limit (chunking applies to the packed prefill only)
         self.decoder = decoder
         self.prefix_cache = prefix_cache   # only with a decoder (its packed prefill fills and reads it)
         self.stop_ids = set(tok.stop_ids)
@@ -305,30 +314,58 @@ class Batcher:
     def _remaining(self, job: Job, choice: Choice) -> int:
         return job.params.max_tokens - len(choice.tokens)
 
-    def _admit(self) -> None:
+    def _take(self) -> tuple[list[Job], tuple[Job, int] | None]:
+        """The waiting jobs to admit now, first in first out, while they fit the batch's free rows and the
+        step's prefill budget; and the job, if any, whose prompt is prefilled only up to a position this step."""
         new: list[Job] = []
         free = self.max_batch - len(self.rows)
+        budget = self.prefill_chunk if self.decoder is not None and self.prefill_chunk and self.rows else None
         while True:
             job = self._head
             if job is None:
                 try:
                     job = self.pending.get_nowait()
                 except queue.Empty:
-                    break
+                    return new, None
             if job.done:   # cancelled while waiting
-                self._head = None
+                self._head, job.kv = None, None
                 self._left_queue(job)
                 continue
             if (job.params.n > free and (self.rows or new)) or (new and not self._same_prefill(new, job)):
                 self._head = job   # waits for rows to leave, or for the next prefill (first in, first out)
-                break
+                return new, None
+            if budget is not None and job.prompt_logprobs is None:
+                start = self._start(job)
+                need = len(job.prompt_ids) - start
+                if need > budget:   # a chunk ending on a block boundary (where the prefix cache can use it)
+                    self._head = job
+                    end = (start + budget) // BLOCK * BLOCK
+                    return new, (job, end) if end > start else None
+                budget -= need
             self._head = None
             self._left_queue(job)
             new.append(job)
             free -= job.params.n
+
+    def _start(self, job: Job) -> int:
+        """How many of `job`'s prompt tokens have keys and values already (its cached prefix, looked up once,
+        and the chunks prefilled so far)."""
+        if not job.started:
+            job.started = True
+            if self.prefix_cache is not None:
+                job.kv = self.prefix_cache.lookup(job.prompt_ids)
+        return 0 if job.kv is None else job.kv.size(2)
+
+    def _admit(self) -> None:
+        new, part = self._take()
+        if part is not None and not new:
+            self._admitting = [part[0]]
+            self._prefill_packed([], None, 0, part)
+            self._admitting = []
+            return
         if not new:
             return
-        self._admitting = new
+        self._admitting = new + ([part[0]] if part is not None else [])
         width = max(len(j.prompt_ids) for j in new)
         rows = [(j, c) for j in new for c in j.choices]
         room = min(GROW, max(self._remaining(j, c) for j, c in self.rows + rows if not c.done))
@@ -336,7 +373,7 @@ class Batcher:
         # an empty batch: the new rows' cache is the frame (room to decode); else a prompt-sized one, placed
         cache = kv_cache.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
         if new[0].prompt_logprobs is None and self.decoder is not None:
-            logits = self._prefill_packed(new, cache, width)
+            logits = self._prefill_packed(new, cache, width, part)
         elif new[0].prompt_logprobs is None:
             logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
         else:   # every position's logits: each prompt's scores, then its last position's for sampling
@@ -361,28 +398,34 @@ class Batcher:
         if not fits:   # a new frame: as far right as the longest row needs (it grows when full)
             pos = max(used, width)
             cols = None if cols is None else pos + room
-            self.cache = kv_cache.place(self.cache, pos, cols)
+            self.cache = kv_cache.place(self.cache, pos, cols, len(rows), self.max_batch)
         self.cache = kv_cache.join(self.cache, kv_cache.place(cache, pos, cols), self.max_batch)
         self.rows += rows
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []
 
-    def _prefill_packed(self, new: list[Job], cache, width: int) -> torch.Tensor:
-        """Prefill `new`'s prompts without padding (models/lean_prefill.py), reusing cached prefixes, into
-        `cache` (a frame of `width` prompt columns, each prompt ending at the last); their last logits."""
-        prompts = [j.prompt_ids for j in new]
-        pc = self.prefix_cache
-        prefixes = [pc.lookup(p) if pc is not None else None for p in prompts]
-        hit = [0 if p is None else p.size(2) for p in prefixes]
-        kvs, logits = packed_prefill(self.decoder, [p[h:] for p, h in zip(prompts, hit)], prefixes)
-        for r, (p, kv) in enumerate(zip(prompts, kvs)):
+    def _prefill_packed(self, new: list[Job], cache, width: int, part: tuple[Job, int] | None = None
+                        ) -> torch.Tensor:
+        """Prefill `new`'s prompts without padding (models/lean_prefill.py), continuing what each has already
+        (`_start`), into `cache` (a frame of `width` prompt columns, each prompt ending at the last); their last
+        logits. `part` (job, end): a job also prefilled this step, up to `end`, its keys and values kept on it."""
+        jobs = new + ([part[0]] if part is not None else [])
+        starts = [self._start(j) for j in jobs]
+        ends = [len(j.prompt_ids) for j in new] + ([part[1]] if part is not None else [])
+        kvs, logits = packed_prefill(self.decoder, [j.prompt_ids[s:e] for j, s, e in zip(jobs, starts, ends)],
+                                     [j.kv for j in jobs])
+        if part is not None:
+            part[0].kv = kvs[-1]
+        for r, (job, kv) in enumerate(zip(new, kvs)):
+            p, job.kv = job.prompt_ids, None
             cache.kv[:, r, :, width - len(p):width] = kv
             cache.bias[r, width - len(p):width] = 0.0
-            if pc is not None:
-                pc.store(p, kv)
-        cache.count = torch.tensor([len(p) for p in prompts], device=self.device)
-        cache.pos = width
-        return logits.float()
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(p, kv)
+        if new:
+            cache.count = torch.tensor([len(j.prompt_ids) for j in new], device=self.device)
+            cache.pos = width
+        return logits[:len(new)].float()
 
     def _same_prefill(self, new: list[Job], job: Job) -> bool:
         """Whether `job` joins the prefill of `new`: a prefill keeps either every position's logits (jobs that

@@ -10,17 +10,20 @@ from ..models.checkpoint import load_model
 from ..models.hf import HFPolicy
 from ..models.lean_decode import LeanDecoder, unsupported_reason
 from ..models.lora import has_lora
-from .batcher import Batcher
-from .prefix_cache import DEFAULT_GIB, PrefixCache
+from .batcher import PREFILL_CHUNK, Batcher
+from .prefix_cache import BLOCK, DEFAULT_GIB, PrefixCache
 
 
 def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | None = None,
-                dtype: str = "float32", device: str = "cpu", prefix_cache_gib: float = DEFAULT_GIB
-                ) -> tuple[Batcher, object, int]:
+                dtype: str = "float32", device: str = "cpu", prefix_cache_gib: float = DEFAULT_GIB,
+                prefill_chunk: int = PREFILL_CHUNK) -> tuple[Batcher, object, int]:
     """(batcher, tokenizer, context length) for a checkpoint or model directory. `prefix_cache_gib`: memory
-    for cached prompt prefixes (serve/prefix_cache.py; 0: none), used where the lean decoder applies."""
+    for cached prompt prefixes (serve/prefix_cache.py; 0: none), used where the lean decoder applies;
+    `prefill_chunk`: prompt tokens prefilled per step while rows decode (batcher.PREFILL_CHUNK; 0: no limit)."""
     if max_batch < 1:
         raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
+    if prefill_chunk != 0 and prefill_chunk < BLOCK:   # a chunk ends on a block boundary: it holds one at least
+        raise ConfigError(f"--prefill-chunk must be 0 (no limit) or at least {BLOCK} tokens, got {prefill_chunk}")
     model, tok = load_model(model_path, dtype=dtype, device=device)
     model.eval()
     # never trains: merged, the lean path applies
@@ -45,4 +48,5 @@ def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | No
                 raise ConfigError(f"{model_path}: {model.config.model_type} uses sliding-window (or other special) "
                                   f"cache layers, which continuous batching does not support yet")
     prefix = PrefixCache(int(prefix_cache_gib * 2**30)) if decoder is not None and prefix_cache_gib > 0 else None
-    return Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder, prefix_cache=prefix), tok, context
+    return Batcher(model, tok, max_batch=max_batch, context=context, decoder=decoder, prefix_cache=prefix,
+                   prefill_chunk=prefill_chunk), tok, context

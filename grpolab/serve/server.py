@@ -14,6 +14,7 @@ import sys
 
 from ..errors import ConfigError
 from .api import create_app
+from .batcher import PREFILL_CHUNK
 from .model_loader import load_engine
 from .prefix_cache import DEFAULT_GIB
 from .requests import MAX_REQUEST_BYTES, MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
@@ -55,7 +56,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
           name: str | None = None, max_model_len: int | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", api_key: str | None = None,
           max_rows_per_request: int | None = None, max_waiting: int | None = None,
-          max_request_bytes: int | None = None, prefix_cache_gib: float = DEFAULT_GIB) -> None:
+          max_request_bytes: int | None = None, prefix_cache_gib: float = DEFAULT_GIB,
+          prefill_chunk: int = PREFILL_CHUNK) -> None:
     try:
         import uvicorn
 
@@ -79,14 +81,16 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
     sock = bind(host, port)   # before the load: a port in use fails at once
     try:
         batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
-                                            dtype=dtype, device=device, prefix_cache_gib=prefix_cache_gib)
+                                            dtype=dtype, device=device, prefix_cache_gib=prefix_cache_gib,
+                                            prefill_chunk=prefill_chunk)
         server = Server(batcher, tok, name or model_path, context, max_rows_per_request=max_rows_per_request,
                         max_waiting=max_waiting, api_key=api_key, max_request_bytes=max_request_bytes)
         shown = f"[{host.strip('[]')}]" if ":" in host else host
         print(f"grpolab: serving {server.name!r} (context {context} tokens, max batch {max_batch}, at most "
               f"{max_rows_per_request} rows per request and {max_waiting} waiting, bodies up to "
               f"{max_request_bytes} bytes, prefix cache "
-              f"{f'{prefix_cache_gib:g} GiB' if batcher.prefix_cache is not None else 'off'}"
+              f"{f'{prefix_cache_gib:g} GiB' if batcher.prefix_cache is not None else 'off'}, prefill chunk "
+              f"{f'{prefill_chunk} tokens' if batcher.decoder is not None and prefill_chunk else 'off'}"
               f"{', API key required' if api_key else ''}) at http://{shown}:{sock.getsockname()[1]}/v1", flush=True)
         config = uvicorn.Config(create_app(server), host=host, port=sock.getsockname()[1], log_level=log_level)
         runner = uvicorn.Server(config)

@@ -240,9 +240,10 @@ class _Store:
 
     @classmethod
     def room(cls, like: "LeanCache", capacity: int) -> "_Store":
-        """Empty tensors shaped as `like`'s, with room for `capacity` rows."""
+        """Tensors shaped as `like`'s, with room for `capacity` rows; keys and values unwritten: every row is
+        copied in whole before it is used (`extend`)."""
         kv = like.kv
-        return cls(kv.new_zeros((kv.size(0), capacity, *kv.shape[2:])),
+        return cls(kv.new_empty((kv.size(0), capacity, *kv.shape[2:])),
                    like.bias.new_full((capacity, like.bias.size(1)), float("-inf")), like.count.new_zeros(capacity))
 
     def rows(self, n: int, like: "LeanCache") -> "LeanCache":
@@ -308,8 +309,12 @@ class LeanCache:
         rows of a store that the rows joining next are copied into (`extend`), so the frame is made once."""
         k, n = min(self.pos, pos), self.kv.size(1)
         rows = max(n, room)
-        kv = self.kv.new_zeros((self.kv.size(0), rows, *self.kv.shape[2:3], cols, self.kv.size(-1)))
+        # the rows beyond n are written whole when rows join (`extend`): left unwritten, their pages are
+        # never touched until then (on this machine first touching memory is most of a join's time)
+        kv = self.kv.new_empty((self.kv.size(0), rows, *self.kv.shape[2:3], cols, self.kv.size(-1)))
+        kv[:, :n, :, :pos - k] = 0
         kv[:, :n, :, pos - k:pos] = self.kv[:, :, :, self.pos - k:self.pos]
+        kv[:, :n, :, pos:] = 0
         bias = self.bias.new_full((rows, cols), float("-inf"))
         bias[:n, pos - k:pos] = self.bias[:, self.pos - k:self.pos]
         count = self.count if rows == n else torch.cat([self.count, self.count.new_zeros(rows - n)])

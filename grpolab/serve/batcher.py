@@ -4,7 +4,9 @@ A request (`Job`) is one prompt and its n choices. Between two steps the batcher
 and cancelled rows leave and admits waiting jobs while the batch has room (`max_batch` rows):
 the new prompts are prefilled together (for the lean decoder packed, without padding, continuing
 cached prefixes: models/lean_prefill.py, prefix_cache.py), copied to their n rows and joined to the
-batch (see kv_cache.py), so a request never waits for another to finish. Each step samples one token per row
+batch (see kv_cache.py), so a request never waits for another to finish. While rows decode, a step
+prefills at most `prefill_chunk` prompt tokens: a longer prompt is prefilled a chunk per step and joins
+after its last one, so the running rows are not held up by its whole prefill. Each step samples one token per row
 with that row's own settings and randomness, then runs one forward pass over the rows still going.
 
 Randomness is keyed per choice (rollout/keys.py): a choice's t-th token uses a uniform hashed

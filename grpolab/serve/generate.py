@@ -136,8 +136,9 @@ def run_generate(model_path: str, in_path: str, out_path: str, *, n: int = 1, se
         # reward.timeout; code_exec's sandbox keeps the defaults (reward.code_exec is not read here)
         runtime = RewardRuntime(timeout=float(score_cfg.reward.timeout))
         check_signatures(list(score_cfg.reward.functions), columns, rows=rows, source=in_path)
+    # prefill_chunk 0: offline, no stream waits on a prefill, so prompts prefill whole as they are admitted
     batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
-                                        dtype=dtype, device=device)
+                                        dtype=dtype, device=device, prefill_chunk=0)
     todo = [i for i in range(len(rows)) if i not in done]
     finished: list[int] = []   # rows whose every choice has ended, in order of finishing
     jobs = {}

@@ -4,8 +4,8 @@ Serves a tiny Llama (the lean decoder, packed prefill, a 1 MiB prefix cache that
 `--waves` waves of `--requests` streamed completions at once (random prompt and output lengths, n of
 1-3, a third of the clients hanging up after a few chunks, all seeded), and prints one JSON line per
 server setting: RSS in MiB when idle and after each wave, and /health's kv_cache_bytes at the end.
-Settings: the defaults, and oneDNN's kernel cache off with one malloc arena
-(ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 MALLOC_ARENA_MAX=1).
+Settings: the defaults (`--kernel-cache 256`), PyTorch's own kernel caches (`--kernel-cache 1024`),
+and 16 kernels per cache.
 
     python bench/serve_memory.py [--requests 200] [--waves 8]
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from grpolab.models.tiny_hf import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a careful calculator. Think step by step and end with #### and the answer.\n"
-SETTINGS = {"default": {}, "onednn_cache_off": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "MALLOC_ARENA_MAX": "1"}}
+SETTINGS = {"default": [], "kernel_cache_1024": ["--kernel-cache", "1024"], "kernel_cache_16": ["--kernel-cache", "16"]}
 
 
 def requests(n: int, questions: list[str]) -> list[tuple[dict, int | None]]:
@@ -70,12 +69,12 @@ def health(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/health").read())
 
 
-def run(model: Path, env: dict, reqs: list, waves: int) -> dict:
+def run(model: Path, extra: list[str], reqs: list, waves: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "grpolab", "serve", str(model), "--port", str(port), "--name", "m",
-                             "--max-batch", "32", "--prefix-cache-gib", str(2**20 / 2**30), "--log-level", "warning"],
-                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--max-batch", "32", "--prefix-cache-gib", str(2**20 / 2**30), "--log-level", "warning",
+                             *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(url, proc)
         rss = [rss_mib(proc.pid)]
@@ -99,9 +98,9 @@ def main() -> None:
         model = save_tiny_model(Path(tmp) / "llama", [SYSTEM] + [q + "\n#### 3" for q in questions], vocab_size=300,
                                 hidden=32, layers=2, heads=4, intermediate=64, max_positions=512)
         reqs = requests(args.requests, questions)
-        for name, env in SETTINGS.items():
-            result = run(model, env, reqs, args.waves)
-            print(json.dumps({"setting": name, "env": env, "requests": args.requests, **result}), flush=True)
+        for name, extra in SETTINGS.items():
+            result = run(model, extra, reqs, args.waves)
+            print(json.dumps({"setting": name, "args": extra, "requests": args.requests, **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="while requests are decoding, prefill at most this many new prompt tokens per step, so a "
                         "long prompt goes in chunks and the running streams keep going (default 512; 0: no limit; "
                         "else at least 16). Llama-family models only")
+    v.add_argument("--kernel-cache", type=_positive, default=256,
+                   help="compiled CPU matrix-product kernels kept per shape cache, about 0.3 MiB each: bounds how "
+                        "far the process grows as batch shapes vary (default 256; PyTorch's own is 1024)")
 
     g = sub.add_parser("generate", help="offline batch generation for a jsonl of prompts (resumable)")
     g.add_argument("model", help="checkpoint directory (…/checkpoints/step_N), export, or Hugging Face model dir")

@@ -224,6 +224,9 @@ def test_ceilings_are_checked_at_startup(ckpt):
         r = run_cli("serve", str(ckpt), "--port", "0", "--prefill-chunk", bad)
         assert r.returncode == 2 and len(_one_line(r)) == 1
         assert f"--prefill-chunk must be 0 (no limit) or at least 16 tokens, got {bad}" in r.stderr
+    r = run_cli("serve", str(ckpt), "--port", "0", "--kernel-cache", "0")   # PyTorch crashes on an empty cache
+    assert r.returncode == 2 and _one_line(r) == [
+        "grpolab: usage error: argument --kernel-cache: must be >= 1, got 0 (see grpolab serve --help)"]
 
 
 def test_generate_n_above_the_batch_is_refused(ckpt, tmp_path):

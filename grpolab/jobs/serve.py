@@ -25,4 +25,4 @@ def run(cfg: None, args: Namespace) -> None:
           max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, log_level=args.log_level,
           api_key=args.api_key, max_rows_per_request=args.max_rows_per_request, max_waiting=args.max_waiting,
           max_request_bytes=args.max_request_bytes, prefix_cache_gib=args.prefix_cache_gib,
-          prefill_chunk=args.prefill_chunk)
+          prefill_chunk=args.prefill_chunk, kernel_cache=args.kernel_cache)

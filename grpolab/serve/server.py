@@ -15,7 +15,7 @@ import sys
 from ..errors import ConfigError
 from .api import create_app
 from .batcher import PREFILL_CHUNK
-from .model_loader import load_engine
+from .model_loader import KERNEL_CACHE, load_engine
 from .prefix_cache import DEFAULT_GIB
 from .requests import MAX_REQUEST_BYTES, MAX_ROWS_PER_REQUEST, MAX_WAITING, Server
 
@@ -57,7 +57,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
           device: str = "cpu", log_level: str = "info", api_key: str | None = None,
           max_rows_per_request: int | None = None, max_waiting: int | None = None,
           max_request_bytes: int | None = None, prefix_cache_gib: float = DEFAULT_GIB,
-          prefill_chunk: int = PREFILL_CHUNK) -> None:
+          prefill_chunk: int = PREFILL_CHUNK, kernel_cache: int = KERNEL_CACHE) -> None:
     try:
         import uvicorn
 
@@ -82,7 +82,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
     try:
         batcher, tok, context = load_engine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                                             dtype=dtype, device=device, prefix_cache_gib=prefix_cache_gib,
-                                            prefill_chunk=prefill_chunk)
+                                            prefill_chunk=prefill_chunk, kernel_cache=kernel_cache)
         server = Server(batcher, tok, name or model_path, context, max_rows_per_request=max_rows_per_request,
                         max_waiting=max_waiting, api_key=api_key, max_request_bytes=max_request_bytes)
         shown = f"[{host.strip('[]')}]" if ":" in host else host

@@ -24,9 +24,11 @@ grpo_step: `grpolab train` (the CLI, a subprocess) in bench/_smollm2.py's settin
   medians over steps 2..N (step 1 includes start-up) of metrics.jsonl's time/step, time/generate,
   time/weight_sync (inside time/generate), time/reward, time/ref_and_advantages, time/update.
 serving: `grpolab serve` and vLLM's OpenAI API server (python -m vllm.entrypoints.openai.api_server) on
-  the model, both up at once, each at 1 thread; the same load through the openai async client: streamed
-  chat completions of GSM8K-easy problems (system prompt + problem), temperature 0, max_tokens
-  --serve-max-tokens, at each --concurrency (requests in flight); rounds alternate the servers per level.
+  the model, both up at once, each at 1 thread, vLLM with 1 GiB for keys and values (--kv-cache-memory-bytes;
+  its CPU worker sizes a --gpu-memory-utilization share of NUMA node 0's memory, minus its own RSS); the same
+  load through the openai async client: streamed chat completions of GSM8K-easy problems (system prompt +
+  problem), temperature 0, max_tokens --serve-max-tokens, at each --concurrency (requests in flight); rounds
+  alternate the servers per level.
   Requests/s, output tokens/s (the servers' usage counts), p50/p99 latency and time to first token.
 gemm: the model's linear layers at decode shapes (8 and 32 rows), fp32, 1 thread: torch's matmul (as
   grpolab's decoder calls it) against vLLM's prepacked oneDNN kernel (what its CPU linear layers run).
@@ -413,7 +415,7 @@ def serving_section(args, model: Path, work: Path) -> dict:
                      "--max-batch", str(max(64, max(args.concurrency))), "--log-level", "warning"],
             "vllm": [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
                      "smollm2", "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--dtype", "float32",
-                     "--enforce-eager", "--max-model-len", "2048", "--gpu-memory-utilization", "0.1",
+                     "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2**30),
                      "--uvicorn-log-level", "warning"]}
     procs, logs = {}, {k: work / f"serve-{k}.log" for k in cmds}
     res = {"max_tokens": args.serve_max_tokens, "temperature": 0, "rounds": args.serve_rounds,

@@ -1,7 +1,8 @@
 """`grpolab serve --kernel-cache N`: the server bounds PyTorch's caches of compiled CPU matrix-product
 kernels before its model loads, so a process serving many batch shapes stops growing. Measured in a fresh
 Python process (the caches read their sizes once per process): its resident memory while a prepacked linear
-layer runs at 200 row counts, after `load_engine` has loaded a tiny Llama with and without the bound."""
+layer runs at 200 row counts, after `load_engine` has loaded a tiny Llama with room for all 200 kernels
+(PyTorch's own 1,024) and with 4."""
 
 import subprocess
 import sys
@@ -23,8 +24,7 @@ def rss_mib():
             return int(line.split()[1]) / 1024
 
 torch.set_num_threads(1)
-kwargs = {} if sys.argv[2] == "default" else {"kernel_cache": int(sys.argv[2])}
-batcher, _, _ = load_engine(sys.argv[1], **kwargs)
+batcher, _, _ = load_engine(sys.argv[1], kernel_cache=int(sys.argv[2]))
 assert batcher.decoder is not None
 lin = _Linear(torch.randn(64, 32), None)
 assert lin.packed
@@ -48,7 +48,7 @@ def test_the_server_bounds_the_kernel_caches_before_its_model_loads(tmp_path):
                            timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         return float(r.stdout.split()[-1])
-    unbounded, bounded = growth("default"), growth("4")
-    # PyTorch's default keeps all 200 kernels (~0.3 MiB each, in two caches); 4 kept each stays near flat
+    unbounded, bounded = growth("1024"), growth("4")
+    # 1,024 keep all 200 kernels (~0.3 MiB each, in two caches): ~107 MiB here; 4 kept each stays near flat
     assert unbounded > 40, (unbounded, bounded)
     assert bounded < 12, (unbounded, bounded)

@@ -26,13 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import _smollm2 as sm  # noqa: E402
-
-
-def rss_mib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) // 1024
-    raise RuntimeError("no VmRSS")
+from serve_memory import rss_mib  # noqa: E402
 
 
 def main() -> None:

@@ -186,18 +186,25 @@ def test_shared_prompt_decode_samples_what_per_row_copies_sample(monkeypatch):
         return logits
     keys = completion_keys(3, torch.arange(3).repeat_interleave(G), torch.arange(G).repeat(3))
     runs = {}
-    real = lean_decode._attend_shared
-    for name, limit in (("copies", 2**62), ("shared", 0)):
+    real, share = lean_decode._attend_shared, lean_decode.LeanCache.share_prompt
+
+    def poisoned(cache, n):   # the completions' keys and values are left unwritten: NaN there must never be read
+        out = share(cache, n)
+        return out if out.prefix is None else out.kv.fill_(float("nan")) is not None and out
+    for name, limit in (("copies", 2**62), ("shared", 0), ("poisoned", 0)):
         monkeypatch.setattr(lean_decode, "SHARE_MIN_BYTES", limit)
+        monkeypatch.setattr(lean_decode.LeanCache, "share_prompt", poisoned if name == "poisoned" else share)
         seen = []
         monkeypatch.setattr(lean_decode, "_attend_shared", lambda *a: seen.append(1) or real(*a))
         runs[name] = generate(model, prompts, num_generations=G, max_new_tokens=12, temperature=1.0, stop_ids=(1,),
                               keys=keys, logits_hook=force)
-        assert bool(seen) == (name == "shared")
+        assert bool(seen) == (name != "copies")
     a, b = runs["copies"], runs["shared"]
     assert torch.equal(a.completion_mask.sum(-1), lengths)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() <= 1e-5
+    assert torch.equal(runs["poisoned"].completion_ids, b.completion_ids)
+    assert torch.equal(runs["poisoned"].sampler_logprobs, b.sampler_logprobs)
 
 
 def test_prompt_keys_are_shared_only_where_it_saves_enough_bytes():

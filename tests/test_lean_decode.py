@@ -12,7 +12,7 @@ from conftest import randomize_lora_b
 from grpolab.models import lean_decode
 from grpolab.models.hf import HFCache, HFPolicy
 from grpolab.models.lean_decode import LeanCache, LeanDecoder, _Linear, unsupported_reason
-from grpolab.models.lean_prefill import packed_prefill
+from grpolab.models.lean_prefill import packed_prefill, prefill_in_pieces
 from grpolab.rollout.engine import generate
 from grpolab.utils.padding import pad_sequences
 
@@ -298,6 +298,27 @@ def test_packed_prefill_equals_hf_forward_and_continues_a_prefix(kind):
         assert torch.equal(kv2, kvs[0]) and torch.equal(lg2[0], logits[0])
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_rollout_prefill_in_pieces_depends_on_each_prompt_alone(kind):
+    """The rollout's packed prefill (lean_prefill.prefill_in_pieces): each prompt cut at multiples of 3 of
+    its own positions gives the same bits packed with two others as alone, agrees with HF's forward of
+    it, and packs only real tokens (the projections see sum(lengths) rows, not prompts x the longest)."""
+    hf = _tiny(kind)
+    _perturb(hf)
+    prompts = [[5, 6, 7, 8, 9, 10, 3, 4], [11, 12], [13, 14, 15, 16, 17]]
+    rows = []
+    with torch.inference_mode():
+        d = LeanDecoder(hf, 64)
+        real = d.layers[0].qkv
+        d.layers[0].qkv = lambda x: rows.append(x.size(0)) or real(x)
+        kvs, logits = prefill_in_pieces(d, prompts, 3)
+        assert sum(rows) == sum(map(len, prompts))
+        for i, p in enumerate(prompts):
+            (kv,), lg = prefill_in_pieces(d, [p], 3)
+            assert torch.equal(kv, kvs[i]) and torch.equal(lg[0], logits[i]), i
+            assert torch.allclose(lg[0], hf(torch.tensor([p])).logits[0, -1], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_compact_keeps_rows_in_place_and_moves_only_the_last_ones(shared):
     """LeanCache.compact: the kept rows below the new size stay where they are, each leaver's place takes
@@ -333,7 +354,7 @@ def test_compact_keeps_rows_in_place_and_moves_only_the_last_ones(shared):
 def test_lean_rows_leave_the_batch_the_step_they_finish_and_decode_as_alone():
     """On the lean path a finished row leaves the decode batch at once (its cache's last rows move into
     its place), so step t decodes exactly the rows still going; every row samples the tokens it samples
-    decoded alone, with its log-probs (to float rounding: a shorter prompt is prefilled left-padded)."""
+    decoded alone, with its log-probs (to float rounding)."""
     from grpolab.rollout.keys import completion_keys
     model = HFPolicy(_tiny("llama_gqa_bias_rope_scaling"))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]

@@ -262,9 +262,12 @@ class LeanCache:
     holds the completions only; a decode step attends to both and merges the two softmaxes.
     `store`: when set, kv, bias and count are the first rows of its tensors (`compact`, `extend`)."""
 
-    def __init__(self, decoder: "LeanDecoder", batch: int, max_len: int) -> None:
+    def __init__(self, decoder: "LeanDecoder", batch: int, max_len: int, zero: bool = True) -> None:
         d = decoder
-        self.kv = torch.zeros((d.n_layer, batch, 2 * d.n_kv, max_len, d.head_dim), dtype=d.dtype, device=d.device)
+        # zero=False: keys and values unwritten, for a cache whose every column is written (by all its rows)
+        # before a step reads it; padding a step reads must be finite (0 x NaN would poison the attention)
+        shape = (d.n_layer, batch, 2 * d.n_kv, max_len, d.head_dim)
+        self.kv = (torch.zeros if zero else torch.empty)(shape, dtype=d.dtype, device=d.device)
         # which cached positions are real tokens, as an additive attention mask (0 real, -inf
         # padding or not yet written): a decode step reads its mask instead of building one
         self.bias = torch.full((batch, max_len), float("-inf"), dtype=d.dtype, device=d.device)
@@ -278,6 +281,16 @@ class LeanCache:
         out.kv, out.bias, out.count, out.prefix, out.store = kv, bias, count, prefix, None
         out.pos, out.max_len, out.decoder = self.pos, self.max_len, self.decoder
         return out
+
+    def fill(self, kvs: list[torch.Tensor]) -> None:
+        """Row r gets prompt r's keys and values `kvs[r]` (layers, 2 KV, length, D), all prompts ending at the
+        longest's last column (left padding), as a prefill writes them; the next token goes after it."""
+        width = max(kv.size(2) for kv in kvs)
+        for r, kv in enumerate(kvs):
+            self.kv[:, r, :, width - kv.size(2):width] = kv
+            self.bias[r, width - kv.size(2):width] = 0.0
+        self.count = torch.tensor([kv.size(2) for kv in kvs], device=self.count.device)
+        self.pos = width
 
     def repeat_interleave(self, n: int) -> "LeanCache":
         """Each row n times (a prompt prefilled once, shared by its n samples)."""
@@ -293,7 +306,9 @@ class LeanCache:
         if n < 2 or self.kv.device.type != "cpu" or saved < SHARE_MIN_BYTES or self.prefix is not None:
             return self.repeat_interleave(n)
         B = self.kv.size(1) * n
-        out = LeanCache(d, B, self.max_len - L)   # completion columns only
+        # completion columns only, each written by every row's decode step before any step reads it (untouched
+        # pages of rows that finish early are never faulted in)
+        out = LeanCache(d, B, self.max_len - L, zero=False)
         out.prefix = _Prefix(self.kv[:, :, :, :L].contiguous(), self.bias[:, None, None, :L].contiguous(), n, None)
         out.count = self.count.repeat_interleave(n, dim=0)
         return out

@@ -62,3 +62,21 @@ def packed_prefill(d: LeanDecoder, new: list[list[int]], prefixes: list[torch.Te
         x = L.down.residual(x, F.silu(gate) * up)
     last = torch.tensor(lens, device=d.device).cumsum(0) - 1
     return out, d.head(x.index_select(0, last))
+
+
+def prefill_in_pieces(d: LeanDecoder, prompts: list[list[int]], piece: int
+                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`packed_prefill` of whole prompts, each cut at multiples of `piece` of its own positions (0: whole),
+    round k packing every prompt's k-th piece: the activations stay (prompts x piece x ...) however long the
+    prompts are, and a prompt's cuts, so its keys, values and logits, depend on it alone."""
+    piece = piece if piece > 0 else max(map(len, prompts))
+    kvs: list[torch.Tensor | None] = [None] * len(prompts)
+    last: list[torch.Tensor | None] = [None] * len(prompts)
+    for at in range(0, max(map(len, prompts)), piece):
+        todo = [i for i, p in enumerate(prompts) if len(p) > at]
+        out, logits = packed_prefill(d, [prompts[i][at:at + piece] for i in todo], [kvs[i] for i in todo])
+        for n, i in enumerate(todo):
+            kvs[i] = out[n]
+            if len(prompts[i]) <= at + piece:
+                last[i] = logits[n]
+    return kvs, torch.stack(last)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import NonFiniteLogits
+from ..models.lean_decode import LeanCache
+from ..models.lean_prefill import prefill_in_pieces
 from ..utils.padding import pad_sequences
 from . import kv_cache
 from .generation import Generation
@@ -41,15 +43,22 @@ class Prefilled:
 def prefill(model, prompts: list[list[int]], num_generations: int, completion_len: int, pad_id: int,
             prefill_chunk: int = PREFILL_CHUNK) -> Prefilled:
     """Prefill each prompt once (`prefill_chunk` positions per forward; 0: all in one), then copy its
-    cache and logits to its G rows. The cache has room for `completion_len` more positions."""
+    cache and logits to its G rows. The cache has room for `completion_len` more positions. On the lean
+    path the prompts are packed (models/lean_prefill.py), each cut into pieces of `prefill_chunk` of its
+    own positions; elsewhere they are left-padded to the longest and the batch goes a chunk at a time."""
     device = next(model.parameters()).device
     p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     P = p_ids.size(1)
     cache = model.new_cache(len(prompts), P + completion_len)
-    step = prefill_chunk if prefill_chunk > 0 else P
-    for i in range(0, P, step):   # in chunks: long prompts never build (rows x P x P) attention scores
-        logits = model(p_ids[:, i:i + step], key_valid=p_mask[:, i:i + step], cache=cache, logits_to_keep=1)[:, -1]
+    if isinstance(cache, LeanCache) and all(prompts):   # packed: no forward over the padding
+        kvs, logits = prefill_in_pieces(cache.decoder, prompts, prefill_chunk)
+        cache.fill(kvs)
+    else:
+        step = prefill_chunk if prefill_chunk > 0 else P
+        for i in range(0, P, step):   # in chunks: long prompts never build (rows x P x P) attention scores
+            logits = model(p_ids[:, i:i + step], key_valid=p_mask[:, i:i + step], cache=cache,
+                           logits_to_keep=1)[:, -1]
     G = num_generations
     if G > 1:   # the lean HF path may keep one copy of each prompt's keys and values for its G rows
         cache = cache.share_prompt(G) if hasattr(cache, "share_prompt") else cache.repeat_interleave(G)

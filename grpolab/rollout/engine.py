@@ -36,7 +36,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     `logits_hook(logits, t, rows) -> logits`: called before each token is sampled, with the logits (R, V)
     of the R rows still decoding, the token index t and `rows` (R,), those rows' indices among the
     B outputs (a logits processor; bench/rollout.py forces each row's stop length with it).
-    `prefill_chunk`: prompt positions per prefill forward (0: the whole prompt in one); the same values.
+    `prefill_chunk`: prompt positions per prefill forward (0: the whole prompt in one; on the lean path each
+    prompt's own positions per piece, the prompts packed without padding); the same tokens.
     `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`: vLLM's SamplingParams
     fields (decode_loop.Penalties), applied before `logits_hook`; at their defaults nothing is processed.
     `budgets` (num_prompts * G,): each row's own token cap, at most max_new_tokens (vLLM's per-request

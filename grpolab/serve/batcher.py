@@ -362,7 +362,7 @@ class Batcher:
         new, part = self._take()
         if part is not None and not new:
             self._admitting = [part[0]]
-            self._prefill_packed([], None, 0, part)
+            self._prefill_packed([], None, part)
             self._admitting = []
             return
         if not new:
@@ -375,7 +375,7 @@ class Batcher:
         # an empty batch: the new rows' cache is the frame (room to decode); else a prompt-sized one, placed
         cache = kv_cache.new_cache(self.model, len(new), width + (0 if self.rows else room), self.decoder)
         if new[0].prompt_logprobs is None and self.decoder is not None:
-            logits = self._prefill_packed(new, cache, width, part)
+            logits = self._prefill_packed(new, cache, part)
         elif new[0].prompt_logprobs is None:
             logits = self._forward(ids.to(self.device), valid.to(self.device), cache)
         else:   # every position's logits: each prompt's scores, then its last position's for sampling
@@ -406,10 +406,9 @@ class Batcher:
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []
 
-    def _prefill_packed(self, new: list[Job], cache, width: int, part: tuple[Job, int] | None = None
-                        ) -> torch.Tensor:
+    def _prefill_packed(self, new: list[Job], cache, part: tuple[Job, int] | None = None) -> torch.Tensor:
         """Prefill `new`'s prompts without padding (models/lean_prefill.py), continuing what each has already
-        (`_start`), into `cache` (a frame of `width` prompt columns, each prompt ending at the last); their last
+        (`_start`), into `cache` (`LeanCache.fill`: each prompt ending at the longest's last column); their last
         logits. `part` (job, end): a job also prefilled this step, up to `end`, its keys and values kept on it."""
         jobs = new + ([part[0]] if part is not None else [])
         starts = [self._start(j) for j in jobs]
@@ -418,15 +417,12 @@ class Batcher:
                                      [j.kv for j in jobs])
         if part is not None:
             part[0].kv = kvs[-1]
-        for r, (job, kv) in enumerate(zip(new, kvs)):
-            p, job.kv = job.prompt_ids, None
-            cache.kv[:, r, :, width - len(p):width] = kv
-            cache.bias[r, width - len(p):width] = 0.0
+        for job, kv in zip(new, kvs):
+            job.kv = None
             if self.prefix_cache is not None:
-                self.prefix_cache.store(p, kv)
+                self.prefix_cache.store(job.prompt_ids, kv)
         if new:
-            cache.count = torch.tensor([len(j.prompt_ids) for j in new], device=self.device)
-            cache.pos = width
+            cache.fill(kvs[:len(new)])
         return logits[:len(new)].float()
 
     def _same_prefill(self, new: list[Job], job: Job) -> bool:

@@ -12,7 +12,8 @@ rollout: the first --prompts held-out GSM8K-easy chat prompts x G=8 samples, tem
   tokens/s of grpolab's engine (`generate`, which always returns the sampler's log-probs; bench/rollout.py's
   `m_ours`) and of vLLM in this process through grpolab's own wrapper (rollout/vllm_engine.py, what
   rollout.engine=vllm trains with: one request per completion, each with its own seed, prefix caching,
-  logprobs=0 in processed_logprobs mode; the variable regime sends the same requests with max_tokens=L_r).
+  logprobs=0 in processed_logprobs mode, 1 GiB for keys and values; the variable regime sends the same requests
+  with max_tokens=L_r).
   vLLM's prefix cache is emptied before every timed call (a training step's prompts are new and its
   weights changed). Also in the fixed regime: vLLM with n=G (one request per prompt), and HF `generate`
   (--hf-runs, after the pairs). "per_step": prefill-only calls (1 new token) give each side's prefill
@@ -111,8 +112,10 @@ class VLLMSide:
     def __init__(self, policy, prompts: list[list[int]], pad: int) -> None:
         from grpolab.rollout.vllm_engine import VLLMEngine
         t = time.perf_counter()
+        # 1 GiB for keys and values, as the serving section gives its server: a utilisation share of NUMA
+        # node 0, minus vLLM's own RSS, can come out negative on this machine, and vLLM then will not start
         self.eng = VLLMEngine(policy.causal_lm().config, dtype="float32", max_model_len=1024,
-                              gpu_memory_utilization=0.1, seed=0)
+                              gpu_memory_utilization=0.1, kv_cache_gb=1.0, seed=0)
         self.eng.load_weights(policy.merged_weights().items(), 0)
         self.startup_s = round(time.perf_counter() - t, 1)
         self.prompts, self.pad = prompts, pad

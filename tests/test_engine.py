@@ -139,8 +139,9 @@ def test_rows_that_stop_leave_the_batch_and_the_rest_decode_as_alone(tiny_gpt, t
 
 
 def test_chunked_prefill_samples_what_one_prefill_samples(tiny_gpt, tok, tmp_path):
-    """Prompts prefilled 3 positions at a time (left padding spread over several chunks) give the same
-    tokens and log-probs as one prefill: the built-in GPT, an HF Llama on the lean path and on HF's cache."""
+    """Prompts prefilled 3 positions at a time give the same tokens and log-probs as one prefill: the built-in
+    GPT and an HF Llama on HF's cache (left padding spread over several chunks), and on the lean path (packed,
+    each prompt in pieces of 3 of its own positions)."""
     from grpolab.models.hf import load_hf
     from grpolab.models.tiny_hf import save_tiny_model
     from grpolab.rollout.keys import completion_keys

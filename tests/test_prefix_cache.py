@@ -17,7 +17,7 @@ from conftest import running_server, staggered
 
 from grpolab.data.tasks import arithmetic
 from grpolab.models.hf import load_hf
-from grpolab.models.lean_decode import LeanDecoder
+from grpolab.models.lean_decode import LeanCache, LeanDecoder
 from grpolab.models.lean_prefill import packed_prefill
 from grpolab.models.tiny_hf import save_tiny_model
 from grpolab.serve.batcher import Batcher, Job, SamplingParams
@@ -211,6 +211,39 @@ def test_rows_join_and_leave_the_lean_frame_without_copying_the_others(llama):
         while not alone.idle():
             alone.step()
         assert [c.tokens for c in job.choices] == [c.tokens for c in solo.choices]
+
+
+def test_the_frame_moves_within_its_store_and_columns_past_the_write_column_are_never_read(llama, monkeypatch):
+    """Long prompts with short answers and short prompts with long ones through a batch of 3 rows: when the
+    long rows have left, the next join moves the rows in their own store (LeanCache._shift), not into new
+    tensors. After every step the store's rows not in use and every row's columns from the write column on
+    are poisoned with NaN (a join leaves them unwritten); every job's tokens equal its solo run."""
+    model, tok, d, _ = llama
+    prompts = [p[:n] for p, n in zip(_prompts(tok, 8) * 2, [60, 9, 12, 55, 8, 10, 15, 9] * 2)]
+    shifts = []
+    real = LeanCache._shift
+    monkeypatch.setattr(LeanCache, "_shift", lambda c, pos, k: shifts.append(pos) or real(c, pos, k))
+    b = Batcher(model, tok, max_batch=3, context=512, decoder=d)
+    jobs = [Job(p, SamplingParams(max_tokens=4 if len(p) > 50 else 20 + i % 7, temperature=1.0, seed=1), draw=i)
+            for i, p in enumerate(prompts)]
+    stores, pending = set(), list(jobs)
+    while pending or not b.idle():
+        if pending:
+            b.submit(pending.pop(0))
+        b.step()
+        if b.rows and b.cache.store is not None:
+            stores.add(id(b.cache.store))
+            with torch.inference_mode():
+                b.cache.store.kv[:, len(b.rows):] = float("nan")
+                b.cache.kv[:, :, :, b.cache.pos:] = float("nan")
+    assert shifts and len(stores) < len(shifts)   # moves reuse the store they find
+    for i, (p, job) in enumerate(zip(prompts, jobs)):
+        alone = Batcher(model, tok, max_batch=3, context=512, decoder=d)
+        solo = Job(p, job.params, draw=i)
+        alone.submit(solo)
+        while not alone.idle():
+            alone.step()
+        assert [c.tokens for c in job.choices] == [c.tokens for c in solo.choices], i
 
 
 def _rss_mib(pid: int) -> float:

@@ -319,11 +319,14 @@ class LeanCache:
                           None if self.prefix is None else self.prefix.of_rows(rows))
 
     def place(self, pos: int, cols: int, room: int = 0) -> "LeanCache":
-        """The same rows in new tensors of `cols` columns, their last min(pos, self.pos) columns ending at
+        """The same rows in a frame of `cols` columns, their last min(pos, self.pos) columns ending at
         column `pos` (the server's frame moved or grown); with `room` rows (more than these), the first
-        rows of a store that the rows joining next are copied into (`extend`), so the frame is made once."""
+        rows of a store that the rows joining next are copied into (`extend`), so the frame is made once.
+        A store of `cols` columns and enough rows is reused: its rows move in place (`_shift`)."""
         k, n = min(self.pos, pos), self.kv.size(1)
         rows = max(n, room)
+        if self.store is not None and cols == self.max_len and self.store.kv.size(1) >= rows and self.prefix is None:
+            return self._shift(pos, k)
         # the rows beyond n are written whole when rows join (`extend`): left unwritten, their pages are
         # never touched until then (on this machine first touching memory is most of a join's time)
         kv = self.kv.new_empty((self.kv.size(0), rows, *self.kv.shape[2:3], cols, self.kv.size(-1)))
@@ -336,6 +339,22 @@ class LeanCache:
         out = self._like(kv, bias, count, self.prefix)
         out.pos, out.max_len = pos, cols
         return out if rows == n else _Store(kv, bias, count).rows(n, out)
+
+    def _shift(self, pos: int, k: int) -> "LeanCache":
+        """`place` within this cache's own store: every row's last k columns moved to end at `pos`, the columns
+        before zeroed (padding a step reads must be finite); the columns from `pos` on are left as they are,
+        since a decode step writes each before any step reads it. Fresh tensors would cost first touches of
+        every page, most of a move's time on this machine."""
+        if pos != self.pos:
+            for layer in self.kv:   # a layer at a time: where the columns go overlaps where they were
+                layer[:, :, pos - k:pos] = layer[:, :, self.pos - k:self.pos].clone()
+            moved = self.bias[:, self.pos - k:self.pos].clone()
+            self.bias.fill_(float("-inf"))
+            self.bias[:, pos - k:pos] = moved
+        self.kv[:, :, :, :pos - k] = 0
+        out = self.store.rows(self.kv.size(1), self)
+        out.pos = pos
+        return out
 
     def compact(self, idx: torch.Tensor) -> tuple["LeanCache", torch.Tensor]:
         """The rows `idx` (increasing) in this cache's own tensors: each leaving row's place is taken by one
@@ -355,16 +374,25 @@ class LeanCache:
         return out, order
 
     def extend(self, other: "LeanCache", capacity: int) -> "LeanCache":
-        """This cache's rows, then `other`'s (same write column and width; no shared prompts), in a store
-        with room for twice the rows (up to `capacity`), so that later joins copy only their own rows."""
+        """This cache's rows, then `other`'s (no shared prompts), in a store with room for twice the rows (up
+        to `capacity`), so that later joins copy only their own rows. `other`'s columns (its write column at
+        most this one's) are placed to end at this cache's write column, padding zeroed before them; the
+        columns after are left unwritten (a decode step writes each before any step reads it)."""
         na, nb = self.kv.size(1), other.kv.size(1)
+        pos, k = self.pos, other.pos
+        if k > pos:
+            raise ValueError(f"joining rows written up to column {k} to a frame written up to {pos}")
         a = self
         if a.store is None or a.store.kv.size(1) < na + nb:
             store = _Store.room(a, store_rows(na + nb, capacity))
             store.kv[:, :na], store.bias[:na], store.count[:na] = a.kv, a.bias, a.count
             a = store.rows(na, a)
         s = a.store
-        s.kv[:, na:na + nb], s.bias[na:na + nb], s.count[na:na + nb] = other.kv, other.bias, other.count
+        s.kv[:, na:na + nb, :, :pos - k] = 0
+        s.kv[:, na:na + nb, :, pos - k:pos] = other.kv[:, :, :, :k]
+        s.bias[na:na + nb] = float("-inf")
+        s.bias[na:na + nb, pos - k:pos] = other.bias[:, :k]
+        s.count[na:na + nb] = other.count
         return s.rows(na + nb, a)
 
 

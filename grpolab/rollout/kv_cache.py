@@ -129,10 +129,12 @@ def keep(cache, idx: torch.Tensor) -> tuple[object, torch.Tensor]:
 
 
 def join(a, b, capacity: int = 0):
-    """Rows of `a` then rows of `b`: two frames of the same write column and width. A LeanCache `a` is
-    kept in a frame of up to `capacity` rows, into which later joins copy only their own rows."""
+    """Rows of `a` then rows of `b`, b's columns placed to end at a's write column (b's own write column is
+    at most a's). A LeanCache `a` is kept in a frame of up to `capacity` rows, into which later joins copy
+    only their own rows."""
     if isinstance(a, LeanCache):
         return a.extend(b, capacity)
+    b = place(b, write_pos(a), width(a))
     if isinstance(a, HFCache):
         for la, lb in zip(_layers(a), _layers(b)):
             la.keys, la.values = torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values])

@@ -397,11 +397,12 @@ class Batcher:
         pos, cols = kv_cache.write_pos(self.cache), kv_cache.width(self.cache)
         used = int(self.cache.count.max())   # real tokens of the longest row (finished ones still here too)
         fits = width <= pos and pos - used < SLACK
-        if not fits:   # a new frame: as far right as the longest row needs (it grows when full)
+        if not fits:   # the frame moved: as far right as the longest row needs (it grows when full)
             pos = max(used, width)
-            cols = None if cols is None else pos + room
+            if cols is not None and not pos + room <= cols <= 2 * (pos + room):   # else the frame is kept
+                cols = pos + room
             self.cache = kv_cache.place(self.cache, pos, cols, len(rows), self.max_batch)
-        self.cache = kv_cache.join(self.cache, kv_cache.place(cache, pos, cols), self.max_batch)
+        self.cache = kv_cache.join(self.cache, cache, self.max_batch)
         self.rows += rows
         self.logits = torch.cat([self.logits, logits])
         self._admitting = []

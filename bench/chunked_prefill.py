@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -39,6 +38,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _smollm2 as sm  # noqa: E402
+from _load import bench_module  # noqa: E402
 
 from grpolab.serve.batcher import Job, SamplingParams  # noqa: E402
 from grpolab.serve.model_loader import load_engine  # noqa: E402
@@ -72,10 +72,7 @@ def one_run(batcher, streams: list[list[int]], long: list[int], args) -> dict:
 
 
 def serving(args) -> list[dict]:
-    spec = importlib.util.spec_from_file_location("_bench_vs_vllm", ROOT / "bench" / "vs_vllm.py")
-    vv = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = vv
-    spec.loader.exec_module(vv)   # its load, server start and stop
+    vv = bench_module("vs_vllm")   # its load, server start and stop
     model = ROOT / "models" / "SmolLM2-135M-Instruct"
     questions = [r["prompt"] for r in sm.eval_rows(3 * args.serving, model, sm.Setting())]
     work = Path(tempfile.mkdtemp())

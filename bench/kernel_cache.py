@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import _smollm2 as sm  # noqa: E402
+from _load import bench_module  # noqa: E402
 from serve_memory import rss_mib  # noqa: E402
 
 
@@ -38,10 +38,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="rounds per server and level")
     ap.add_argument("--update", action="store_true", help="append the lines to bench/results/kernel_cache.jsonl")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("_bench_vs_vllm", ROOT / "bench" / "vs_vllm.py")
-    vv = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = vv
-    spec.loader.exec_module(vv)   # its load, server start and stop
+    vv = bench_module("vs_vllm")   # its load, server start and stop
     model = ROOT / "models" / "SmolLM2-135M-Instruct"
     questions = [r["prompt"] for r in sm.eval_rows(max(args.requests, *args.concurrency), model, sm.Setting())]
     work = Path(tempfile.mkdtemp())

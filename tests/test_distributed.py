@@ -77,8 +77,12 @@ def test_fsdp_update_equals_ddp_and_one_process_on_a_tiny_llama(tmp_path):
         assert set(f["params"]) == set(a["params"]) and set(f["grads"]) == set(a["grads"])
         for name in a["params"]:
             assert (a["params"][name] - start[name]).abs().max() > 0, (case, name)            # the step moved it
-            assert (f["params"][name] - b["params"][name]).abs().max() <= 1e-5, (case, name)  # fsdp == ddp
-            assert (f["params"][name] - a["params"][name]).abs().max() <= 1e-5, (case, name)  # == one process
+            # the update on the entries with a gradient above float noise, as in the test above (AdamW's first
+            # step turns 1e-8-level rounding of a near-zero gradient into a visible step)
+            g = a["grads"]["hf.model.embed_tokens.weight" if name == "hf.lm_head.weight" else name]   # tied
+            big = g.abs() > 1e-5
+            assert (f["params"][name] - b["params"][name])[big].abs().max() <= 1e-5, (case, name)  # fsdp == ddp
+            assert (f["params"][name] - a["params"][name])[big].abs().max() <= 1e-5, (case, name)  # == one process
         for name in a["grads"]:
             assert (f["grads"][name] - a["grads"][name]).abs().max() <= 1e-6, (case, name)
         assert f["loss"] == pytest.approx(a["loss"], abs=1e-6) and f["grad_norm"] == pytest.approx(b["grad_norm"],

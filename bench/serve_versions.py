@@ -45,11 +45,8 @@ def export(rev: str, into: Path) -> str:
 def one_round(vv, tree: Path, model: Path, questions: list, args, log: Path) -> dict:
     """Start the server from `tree`, warm it up, time one wave, stop it."""
     port = vv.sb.free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "grpolab.cli", "serve", str(model), "--port", str(port), "--name", "smollm2",
-           "--max-batch", "64", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = vv.start([sys.executable, "-m", "grpolab.cli", "serve", str(model), "--port", str(port), "--name",
+                     "smollm2", "--max-batch", "64", "--log-level", "warning"], log, tree)
     try:
         url = f"http://127.0.0.1:{port}"
         vv.sb.wait_ready(url, proc, 300, log)

@@ -347,10 +347,11 @@ def grpo_section(args, model: Path, work: Path) -> dict:
 
 # ---- serving ------------------------------------------------------------------------------------------
 
-def start(cmd: list[str], logfile: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+def start(cmd: list[str], logfile: Path, tree: Path = ROOT) -> subprocess.Popen:
+    """`cmd` run from the source `tree` (this checkout, or another revision's exported files)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)   # the server as deployed: its engine core in a process
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=tree, env=env, stdout=logfile.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)   # own process group: stopped as a whole
 
 

@@ -191,7 +191,9 @@ def test_shared_prompt_decode_samples_what_per_row_copies_sample(monkeypatch):
 
     def poisoned(cache, n):   # the completions' keys and values are left unwritten: NaN there must never be read
         out = share(cache, n)
-        return out if out.prefix is None else out.kv.fill_(float("nan")) is not None and out
+        if out.prefix is not None:
+            out.kv.fill_(float("nan"))
+        return out
     for name, limit in (("copies", 2**62), ("shared", 0), ("poisoned", 0)):
         monkeypatch.setattr(lean_decode, "SHARE_MIN_BYTES", limit)
         monkeypatch.setattr(lean_decode.LeanCache, "share_prompt", poisoned if name == "poisoned" else share)

@@ -113,7 +113,7 @@ def find_cycle(g: dict[str, dict[str, int]]) -> list[str] | None:
 def test_the_table_is_read_from_the_docs():
     """docs/architecture.md's table, in DESIGN.md's order: the CLI on top, config and the leaves at the bottom."""
     assert LAYERS[0] == ["grpolab.cli", "grpolab.__main__"]
-    assert LAYERS[2] == ["grpolab.jobs."]
+    assert LAYERS[2] == ["grpolab.api."] and LAYERS[3] == ["grpolab.jobs."]
     assert "grpolab.config." in LAYERS[-1] and "grpolab.errors" in LAYERS[-1]
     assert len({e for group in LAYERS for e in group}) == sum(len(group) for group in LAYERS)   # each entry once
 

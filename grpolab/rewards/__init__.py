@@ -51,6 +51,11 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+# functions handed over in Python (grpolab.GRPOTrainer(reward_funcs=[fn])) that no module spec can import, by
+# their 'python:<name>' spec; they live as long as the process
+PASSED: dict[str, RewardFn] = {}
+
+
 def wants_policy(spec: str) -> bool:
     """Whether the reward function takes the `policy` argument (an intrinsic reward)."""
     import inspect
@@ -59,7 +64,7 @@ def wants_policy(spec: str) -> bool:
     except (TypeError, ValueError):
         return False
 
-__all__ = ["REWARDS", "RewardError", "RewardFn", "UnknownRewardError", "get_reward", "make_length_reward",
+__all__ = ["PASSED", "REWARDS", "RewardError", "RewardFn", "UnknownRewardError", "get_reward", "make_length_reward",
            "reward_name", "reward_names", "wants_policy"]
 
 
@@ -72,6 +77,8 @@ def get_reward(spec: str) -> RewardFn:
     """
     if spec in REWARDS:
         return REWARDS[spec]
+    if spec in PASSED:
+        return PASSED[spec]
     if spec.startswith("rm:"):
         return reward_model(spec[len("rm:"):])
     if spec.startswith("judge:"):

@@ -1,0 +1,199 @@
+"""grpolab from Python: TRL's GRPO quick start with only the import changed, the same run as `grpolab train`, and
+every TRL field grpolab does not implement refused with one line (grpolab/api/, docs/python-api.md)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from api_rewards import reward_len
+from conftest import ROOT, run_cli
+from safetensors.torch import load_file
+
+import grpolab
+from grpolab.api.trl_fields import SUPPORTED, UNSUPPORTED, grpo_settings
+from grpolab.data.tasks import arithmetic
+from grpolab.errors import ConfigError
+from grpolab.models.tiny_hf import save_tiny_model
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import fetch_smollm2  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    rows = arithmetic.generate("train", 200, seed=0)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", [r["prompt"] + "\n" + r["answer"] for r in rows],
+                           vocab_size=300, hidden=32, layers=2, heads=2, intermediate=64)
+
+
+def _prompts(n: int) -> list[dict]:
+    return [{"prompt": r["prompt"]} for r in arithmetic.generate("train", n, seed=3)]
+
+
+def _metrics(path):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
+            for line in open(path)]
+
+
+def test_importing_grpolab_loads_no_torch_until_the_api_is_used():
+    probe = ("import sys, grpolab; a = 'torch' in sys.modules; from grpolab import GRPOConfig; "
+             "print(a, 'torch' in sys.modules, GRPOConfig is grpolab.api.GRPOConfig)")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "True", "True"], r.stderr
+    with pytest.raises(AttributeError):
+        grpolab.NoSuchTrainer
+
+
+def _quick_start(model, out, tiny_model: bool):
+    """TRL's documented GRPO quick start (a reward_len function, a dataset of prompts, GRPOConfig with a few
+    fields, LoRA through peft's LoraConfig), with `from trl import` made `from grpolab import`."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from grpolab import GRPOConfig, GRPOTrainer
+
+    dataset = Dataset.from_list(_prompts(24))
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    training_args = GRPOConfig(output_dir=str(out), learning_rate=1e-4 if tiny_model else 1e-5, logging_steps=1,
+                               per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
+                               max_steps=2)
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=training_args, train_dataset=dataset,
+                          peft_config=peft_config)
+    trainer.train()
+    return trainer
+
+
+def _check_quick_start(trainer, base, out):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rows = trainer.state.log_history
+    assert [r["step"] for r in rows] == [1, 2] and trainer.state.global_step == 2
+    # the logged reward is reward_len over the completions the step sampled (samples.jsonl holds all 4 of step 1)
+    samples = [json.loads(line) for line in open(out / "samples.jsonl") if json.loads(line)["step"] == 1]
+    assert len(samples) == 4
+    want = sum(-abs(20 - len(s["completion"])) for s in samples) / 4
+    assert rows[0]["rewards/reward_len/mean"] == pytest.approx(want)
+    saved = trainer.save_model(str(out / "saved"))
+    assert not (out / "saved" / "optimizer.pt").exists()
+    plain = AutoModelForCausalLM.from_pretrained(str(base))
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), saved)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert not torch.equal(plain(ids).logits, tuned(ids).logits)   # the trained adapter loaded and changes it
+
+
+@pytest.mark.slow
+def test_trl_quick_start_runs_with_only_the_import_changed_on_a_tiny_llama(tiny, tmp_path):
+    trainer = _quick_start(str(tiny), tmp_path / "run", tiny_model=True)
+    _check_quick_start(trainer, tiny, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_trl_quick_start_runs_on_smollm2(tmp_path):
+    model = fetch_smollm2.fetch(fetch_smollm2.DEFAULT_OUT)
+    trainer = _quick_start(str(model), tmp_path / "run", tiny_model=False)
+    _check_quick_start(trainer, model, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_the_trainer_and_grpolab_train_give_the_same_bits(tiny, tmp_path):
+    """GRPOTrainer with a GRPOConfig, and `grpolab train` with the YAML a user would write for it by hand."""
+    from grpolab import GRPOConfig, GRPOTrainer
+
+    rows = _prompts(16)
+    api = tmp_path / "api"
+    GRPOTrainer(model=str(tiny), reward_funcs=[reward_len], train_dataset=rows,
+                args=GRPOConfig(output_dir=str(api), learning_rate=1e-3, per_device_train_batch_size=4,
+                                gradient_accumulation_steps=2, num_generations=4, max_completion_length=10,
+                                num_train_epochs=1, beta=0.04, loss_type="grpo", seed=5, warmup_ratio=0.25,
+                                **{"train.threads": 1})).train()
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli = tmp_path / "cli"
+    (tmp_path / "run.yaml").write_text(f"""
+model: {{name_or_path: {tiny}}}
+data: {{task: files, train_path: {tmp_path / 'train.jsonl'}, answer_key: null, train_size: 0}}
+reward: {{functions: ["{ROOT / 'tests' / 'api_rewards.py'}:reward_len"]}}
+rollout: {{prompts_per_step: 2, num_generations: 4, max_new_tokens: 10}}
+algorithm: {{beta: 0.04, loss_agg_mode: seq-mean-token-mean, unbiased_std: true}}
+optim: {{lr: 1.0e-3, beta2: 0.999, lr_schedule: linear, warmup_steps: 2, micro_batch_size: 4}}
+train: {{max_steps: 8, seed: 5, output_dir: {cli}, log_every: 10, save_every: 500, keep_checkpoints: 0, threads: 1}}
+eval: {{num_problems: 0}}
+""")
+    r = run_cli("train", str(tmp_path / "run.yaml"))
+    assert r.returncode == 0, r.stderr
+    a, b = _metrics(api / "metrics.jsonl"), _metrics(cli / "metrics.jsonl")
+    assert len(a) == 8 and a == b
+    wa = load_file(str(api / "checkpoints" / "step_8" / "model.safetensors"))
+    wb = load_file(str(cli / "checkpoints" / "step_8" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _docs_table() -> dict[str, str]:
+    """docs/python-api.md's TRL table: {TRL field: its grpolab column}."""
+    out = {}
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    for line in text[text.index("## GRPOConfig"):].splitlines():
+        m = re.match(r"\| `(\w+)` \| (.+?) \|", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_the_docs_table_lists_every_field_and_every_unsupported_one_is_refused():
+    from grpolab import GRPOConfig
+
+    table = _docs_table()
+    assert set(table) == set(SUPPORTED) | set(UNSUPPORTED)
+    for name, (default, other, _) in UNSUPPORTED.items():
+        assert table[name].startswith("not supported"), name
+        GRPOConfig(**{name: default})   # TRL's default asks for what grpolab does: accepted
+        with pytest.raises(ConfigError, match=rf"^GRPOConfig\.{name}=.*not supported by grpolab"):
+            GRPOConfig(**{name: other})
+    for name in SUPPORTED:
+        assert not table[name].startswith("not supported"), name
+    with pytest.raises(ConfigError, match="unknown field 'lerning_rate'"):
+        GRPOConfig(lerning_rate=1e-5)
+
+
+def test_trl_fields_map_onto_grpolab_keys():
+    s = grpo_settings({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "num_generations": 4,
+                       "num_train_epochs": 2, "warmup_ratio": 0.1, "loss_type": "dr_grpo", "scale_rewards": False,
+                       "importance_sampling_level": "sequence", "top_k": None}, train_rows=10, eval_rows=0)
+    assert s["rollout.prompts_per_step"] == 4 and s["optim.micro_batch_size"] == 8
+    assert s["train.max_steps"] == 2 * 3          # 2 epochs of ceil(10 / 4) steps
+    assert s["optim.warmup_steps"] == 1           # ceil(0.1 * 6)
+    assert s["algorithm.loss_agg_mode"] == "seq-mean-token-sum-norm"
+    assert s["algorithm.scale_rewards"] == "none" and s["algorithm.policy_loss"] == "gspo"
+    assert s["rollout.top_k"] == 0 and s["optim.lr"] == 1e-6 and s["train.seed"] == 42   # TRL's defaults
+    with pytest.raises(ConfigError, match="divisible by num_generations"):
+        grpo_settings({"per_device_train_batch_size": 6, "num_generations": 4}, 10, 0)
+    v = grpo_settings({"use_vllm": True}, 10, 0)   # TRL's default correction: sequence-level masking at 3.0
+    assert (v["rollout.engine"], v["algorithm.rollout_correction"], v["algorithm.rollout_correction_level"],
+            v["algorithm.rollout_correction_threshold"]) == ("vllm", "mis", "sequence", 3.0)
+    with pytest.raises(ConfigError, match="vllm_mode='colocate'"):
+        grpo_settings({"use_vllm": True, "vllm_mode": "server"}, 10, 0)
+
+
+def test_bad_inputs_are_one_clear_error(tiny, tmp_path):
+    from peft import LoraConfig
+
+    from grpolab import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="train_dataset is required"):
+        GRPOTrainer(model=str(tiny), reward_funcs=reward_len, args=args)
+    with pytest.raises(ConfigError, match="train_dataset: give a datasets.Dataset"):
+        GRPOTrainer(model=str(tiny), reward_funcs=reward_len, args=args, train_dataset=42)
+    with pytest.raises(ConfigError, match="peft_config.use_dora=True: not supported"):
+        GRPOTrainer(model=str(tiny), reward_funcs=reward_len, args=args, train_dataset=_prompts(4),
+                    peft_config=LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    with pytest.raises(ConfigError, match="reward_funcs: 3 is neither"):
+        GRPOTrainer(model=str(tiny), reward_funcs=[3], args=args, train_dataset=_prompts(4))

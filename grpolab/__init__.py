@@ -14,7 +14,8 @@ set_reproducible_env()
 
 __version__ = "0.1.0"
 
-API = ("GRPOConfig", "GRPOTrainer", "TrainerState")
+API = ("DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RewardConfig", "RewardTrainer", "SFTConfig",
+       "SFTTrainer", "TrainerState")
 __all__ = [*API, "__version__"]
 
 

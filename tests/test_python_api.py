@@ -13,7 +13,7 @@ from conftest import ROOT, run_cli
 from safetensors.torch import load_file
 
 import grpolab
-from grpolab.api.trl_fields import SUPPORTED, UNSUPPORTED, grpo_settings
+from grpolab.api.grpo_fields import grpo_settings
 from grpolab.data.tasks import arithmetic
 from grpolab.errors import ConfigError
 from grpolab.models.tiny_hf import save_tiny_model
@@ -136,31 +136,35 @@ eval: {{num_problems: 0}}
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def _docs_table() -> dict[str, str]:
-    """docs/python-api.md's TRL table: {TRL field: its grpolab column}."""
-    out = {}
-    text = (ROOT / "docs" / "python-api.md").read_text()
-    for line in text[text.index("## GRPOConfig"):].splitlines():
+def _docs_tables() -> dict[str, dict[str, str]]:
+    """docs/python-api.md's field tables by section: {section: {TRL field: its grpolab column}}."""
+    out: dict[str, dict[str, str]] = {}
+    section = None
+    for line in (ROOT / "docs" / "python-api.md").read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
         m = re.match(r"\| `(\w+)` \| (.+?) \|", line)
-        if m:
-            out[m.group(1)] = m.group(2)
+        if m and section in ("Shared fields", "GRPOConfig", "SFTConfig", "DPOConfig", "RewardConfig"):
+            out.setdefault(section, {})[m.group(1)] = m.group(2)
     return out
 
 
-def test_the_docs_table_lists_every_field_and_every_unsupported_one_is_refused():
-    from grpolab import GRPOConfig
-
-    table = _docs_table()
-    assert set(table) == set(SUPPORTED) | set(UNSUPPORTED)
-    for name, (default, other, _) in UNSUPPORTED.items():
-        assert table[name].startswith("not supported"), name
-        GRPOConfig(**{name: default})   # TRL's default asks for what grpolab does: accepted
-        with pytest.raises(ConfigError, match=rf"^GRPOConfig\.{name}=.*not supported by grpolab"):
-            GRPOConfig(**{name: other})
-    for name in SUPPORTED:
-        assert not table[name].startswith("not supported"), name
+@pytest.mark.parametrize("name", ["GRPOConfig", "SFTConfig", "DPOConfig", "RewardConfig"])
+def test_the_docs_tables_list_every_field_and_every_unsupported_one_is_refused(name):
+    config = getattr(grpolab, name)
+    tables = _docs_tables()
+    table = {**tables["Shared fields"], **tables[name]}   # a trainer's own row overrides the shared one
+    assert set(table) == set(config.FIELDS) | set(config.UNSUPPORTED)
+    for field, (default, other, _) in config.UNSUPPORTED.items():
+        assert table[field].startswith("not supported"), field
+        config(**{field: default})   # TRL's default: accepted
+        with pytest.raises(ConfigError, match=rf"^{name}\.{field}=.*not supported by grpolab"):
+            config(**{field: other})
+    for field in config.FIELDS:
+        assert not table[field].startswith("not supported"), field
+        assert getattr(config(), field) == config.FIELDS[field]   # TRL's default, readable as TRL's attribute
     with pytest.raises(ConfigError, match="unknown field 'lerning_rate'"):
-        GRPOConfig(lerning_rate=1e-5)
+        config(lerning_rate=1e-5)
 
 
 def test_trl_fields_map_onto_grpolab_keys():
@@ -197,3 +201,69 @@ def test_bad_inputs_are_one_clear_error(tiny, tmp_path):
                     peft_config=LoraConfig(r=4, target_modules="all-linear", use_dora=True))
     with pytest.raises(ConfigError, match="reward_funcs: 3 is neither"):
         GRPOTrainer(model=str(tiny), reward_funcs=[3], args=args, train_dataset=_prompts(4))
+
+
+def _conversations(n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+            for r in arithmetic.generate("train", n, seed=4)]
+
+
+def _pairs(n: int) -> list[dict]:
+    return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"].rsplit("#### ", 1)[0] + "#### 999"}
+            for r in arithmetic.generate("train", n, seed=5)]
+
+
+@pytest.mark.slow
+def test_trl_sft_dpo_and_reward_quick_starts_run_with_only_the_import_changed(tiny, tmp_path, monkeypatch):
+    """TRL's quick starts for SFTTrainer, DPOTrainer and RewardTrainer (model and train_dataset only, TRL's
+    defaults: 3 epochs of 8 rows, output in <model name>-SFT and so on)."""
+    from datasets import Dataset
+
+    from grpolab import DPOTrainer, RewardTrainer, SFTTrainer
+
+    monkeypatch.chdir(tmp_path)
+    sft = SFTTrainer(model=str(tiny), train_dataset=Dataset.from_list(_conversations(16)))
+    sft.train()
+    assert sft.state.global_step == 6 and len(sft.state.log_history) == 6   # 3 epochs x 16 / 8
+    assert (tmp_path / "llama-SFT" / "checkpoints" / "step_6").is_dir()
+    dpo = DPOTrainer(model=str(tiny), train_dataset=Dataset.from_list(_pairs(8)))
+    dpo.train()
+    assert dpo.state.global_step == 3 and (tmp_path / "llama-DPO" / "metrics.jsonl").is_file()
+    rm = RewardTrainer(model=str(tiny), train_dataset=Dataset.from_list(_pairs(8)))
+    rm.train()
+    assert rm.state.global_step == 3
+    assert {"loss", "accuracy", "margin"} <= set(rm.state.log_history[0])
+    # what save_model writes loads with plain transformers: a causal LM, and a sequence classifier for the reward model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    AutoModelForCausalLM.from_pretrained(sft.save_model(str(tmp_path / "sft_model")))
+    AutoModelForCausalLM.from_pretrained(dpo.save_model(str(tmp_path / "dpo_model")))
+    scorer = AutoModelForSequenceClassification.from_pretrained(rm.save_model(str(tmp_path / "rm_model")))
+    assert scorer.config.num_labels == 1
+
+
+@pytest.mark.slow
+def test_the_sft_trainer_and_grpolab_sft_give_the_same_bits(tiny, tmp_path):
+    from grpolab import SFTConfig, SFTTrainer
+
+    rows = _conversations(12)
+    api = tmp_path / "api"
+    SFTTrainer(model=str(tiny), train_dataset=rows,
+               args=SFTConfig(output_dir=str(api), learning_rate=1e-3, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2, num_train_epochs=2, seed=3, max_length=64,
+                              lr_scheduler_type="cosine", **{"train.threads": 1})).train()
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli = tmp_path / "cli"
+    (tmp_path / "sft.yaml").write_text(f"""
+model: {{name_or_path: {tiny}}}
+data: {{task: files, train_path: {tmp_path / 'train.jsonl'}, train_size: 0}}
+sft: {{train_path: {tmp_path / 'train.jsonl'}, steps: 6, batch_size: 4, micro_batch_size: 2, lr: 1.0e-3,
+       beta2: 0.999, lr_schedule: cosine, warmup_steps: 0, max_length: 64}}
+train: {{seed: 3, output_dir: {cli}, log_every: 10, save_every: 500, keep_checkpoints: 0, threads: 1}}
+""")
+    r = run_cli("sft", str(tmp_path / "sft.yaml"))
+    assert r.returncode == 0, r.stderr
+    a, b = _metrics(api / "metrics.jsonl"), _metrics(cli / "metrics.jsonl")
+    assert len(a) == 6 and a == b
+    wa = load_file(str(api / "checkpoints" / "step_6" / "model.safetensors"))
+    wb = load_file(str(cli / "checkpoints" / "step_6" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

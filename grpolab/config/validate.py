@@ -132,7 +132,7 @@ def builtin_bytes(n_layer: int, n_embd: int, block_size: int, vocab: int = 256) 
 
 def _stage_optimizers(cfg: Config) -> None:
     """sft.steps (0 skips the warm start), then the shared step/optimizer keys (schema.StageOptimizer)
-    of sft, dpo, rm and distill: counts >= 0, batch_size >= 1, lr > 0, a known schedule."""
+    of sft, dpo, rm and distill: counts >= 0, batch_size >= 1, lr > 0, AdamW betas in [0, 1), a known schedule."""
     need(cfg.sft.steps >= 0, "sft.steps: must be >= 0 (0 skips the warm start)")
     for name in ("sft", "dpo", "rm", "distill"):
         s = getattr(cfg, name)
@@ -140,6 +140,7 @@ def _stage_optimizers(cfg: Config) -> None:
             need(getattr(s, k) >= 0, f"{name}.{k}: must be >= 0")
         need(s.batch_size >= 1, f"{name}.batch_size: must be >= 1")
         need(s.lr > 0, f"{name}.lr: must be > 0")
+        need(0 <= s.beta1 < 1 and 0 <= s.beta2 < 1, f"{name}.beta1/{name}.beta2: must be in [0, 1)")
         _choice(f"{name}.lr_schedule", s.lr_schedule, ("linear", "cosine", "constant"))
         need(s.weight_decay >= 0, f"{name}.weight_decay: must be >= 0")
         need(s.max_grad_norm >= 0, f"{name}.max_grad_norm: must be >= 0 (0 = off)")

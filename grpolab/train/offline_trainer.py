@@ -19,8 +19,6 @@ from ..models import set_gradient_checkpointing
 from .base import Trainer
 from .schedule import lr_factor
 
-BETAS = (0.9, 0.95)   # AdamW betas of the offline stages (the warm start's since the first release)
-
 
 def total_steps(settings, n_rows: int) -> int:
     """Optimizer steps of a stage: `epochs` passes over the rows when set, else `steps`."""
@@ -47,7 +45,7 @@ class OfflineTrainer(Trainer):
         if cfg.model.gradient_checkpointing:
             set_gradient_checkpointing(model, True)
         self.max_steps = total_steps(settings, len(rows))
-        self.build_optimizer(settings.lr, BETAS, settings.weight_decay, lambda s: lr_factor(
+        self.build_optimizer(settings.lr, (settings.beta1, settings.beta2), settings.weight_decay, lambda s: lr_factor(
             s, settings.warmup_steps, self.max_steps, settings.lr_schedule, decay_start=0))
         self.stream = RowStream(len(rows), cfg.train.seed)
 

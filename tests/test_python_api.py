@@ -38,6 +38,15 @@ def _metrics(path):
             for line in open(path)]
 
 
+def _assert_same_run(a, b, steps: int) -> None:
+    """Two run directories with the same metrics.jsonl (timings aside) and the same weights at the last step."""
+    ma, mb = _metrics(a / "metrics.jsonl"), _metrics(b / "metrics.jsonl")
+    assert len(ma) == steps and ma == mb
+    wa = load_file(str(a / "checkpoints" / f"step_{steps}" / "model.safetensors"))
+    wb = load_file(str(b / "checkpoints" / f"step_{steps}" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_importing_grpolab_loads_no_torch_until_the_api_is_used():
     probe = ("import sys, grpolab; a = 'torch' in sys.modules; from grpolab import GRPOConfig; "
              "print(a, 'torch' in sys.modules, GRPOConfig is grpolab.api.GRPOConfig)")
@@ -129,11 +138,7 @@ eval: {{num_problems: 0}}
 """)
     r = run_cli("train", str(tmp_path / "run.yaml"))
     assert r.returncode == 0, r.stderr
-    a, b = _metrics(api / "metrics.jsonl"), _metrics(cli / "metrics.jsonl")
-    assert len(a) == 8 and a == b
-    wa = load_file(str(api / "checkpoints" / "step_8" / "model.safetensors"))
-    wb = load_file(str(cli / "checkpoints" / "step_8" / "model.safetensors"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    _assert_same_run(api, cli, 8)
 
 
 def _docs_tables() -> dict[str, dict[str, str]]:
@@ -201,6 +206,11 @@ def test_bad_inputs_are_one_clear_error(tiny, tmp_path):
                     peft_config=LoraConfig(r=4, target_modules="all-linear", use_dora=True))
     with pytest.raises(ConfigError, match="reward_funcs: 3 is neither"):
         GRPOTrainer(model=str(tiny), reward_funcs=[3], args=args, train_dataset=_prompts(4))
+    with pytest.raises(ConfigError, match="processing_class: grpolab reads the tokenizer from the model's directory"):
+        GRPOTrainer(model=str(tiny), reward_funcs=reward_len, args=args, train_dataset=_prompts(4),
+                    processing_class=object()).train()
+    with pytest.raises(ConfigError, match="args: GRPOTrainer takes a GRPOConfig, not a SFTConfig"):
+        GRPOTrainer(model=str(tiny), reward_funcs=reward_len, args=grpolab.SFTConfig(), train_dataset=_prompts(4))
 
 
 def _conversations(n: int) -> list[dict]:
@@ -214,22 +224,29 @@ def _pairs(n: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_trl_sft_dpo_and_reward_quick_starts_run_with_only_the_import_changed(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_trl_sft_dpo_and_reward_quick_starts_run_with_only_the_import_changed(which, tiny, tmp_path, monkeypatch):
     """TRL's quick starts for SFTTrainer, DPOTrainer and RewardTrainer (model and train_dataset only, TRL's
     defaults: 3 epochs of 8 rows, output in <model name>-SFT and so on)."""
     from datasets import Dataset
 
     from grpolab import DPOTrainer, RewardTrainer, SFTTrainer
 
+    model = str(tiny if which == "tiny" else fetch_smollm2.fetch(fetch_smollm2.DEFAULT_OUT))
+    name = model.rstrip("/").split("/")[-1]
     monkeypatch.chdir(tmp_path)
-    sft = SFTTrainer(model=str(tiny), train_dataset=Dataset.from_list(_conversations(16)))
+    rows = 16 if which == "tiny" else 8
+    sft = SFTTrainer(model=model, train_dataset=Dataset.from_list(_conversations(rows)))
     sft.train()
-    assert sft.state.global_step == 6 and len(sft.state.log_history) == 6   # 3 epochs x 16 / 8
-    assert (tmp_path / "llama-SFT" / "checkpoints" / "step_6").is_dir()
-    dpo = DPOTrainer(model=str(tiny), train_dataset=Dataset.from_list(_pairs(8)))
+    steps = 3 * rows // 8   # 3 epochs of rows / 8
+    assert sft.state.global_step == steps and len(sft.state.log_history) == steps
+    assert (tmp_path / f"{name}-SFT" / "checkpoints" / f"step_{steps}").is_dir()
+    dpo = DPOTrainer(model=model, train_dataset=Dataset.from_list(_pairs(8)))
     dpo.train()
-    assert dpo.state.global_step == 3 and (tmp_path / "llama-DPO" / "metrics.jsonl").is_file()
-    rm = RewardTrainer(model=str(tiny), train_dataset=Dataset.from_list(_pairs(8)))
+    assert dpo.state.global_step == 3 and (tmp_path / f"{name}-DPO" / "metrics.jsonl").is_file()
+    if which == "smollm2":   # (the reward model and the saved copies on the tiny model only: 540 MB each)
+        return
+    rm = RewardTrainer(model=model, train_dataset=Dataset.from_list(_pairs(8)))
     rm.train()
     assert rm.state.global_step == 3
     assert {"loss", "accuracy", "margin"} <= set(rm.state.log_history[0])
@@ -262,8 +279,113 @@ train: {{seed: 3, output_dir: {cli}, log_every: 10, save_every: 500, keep_checkp
 """)
     r = run_cli("sft", str(tmp_path / "sft.yaml"))
     assert r.returncode == 0, r.stderr
-    a, b = _metrics(api / "metrics.jsonl"), _metrics(cli / "metrics.jsonl")
-    assert len(a) == 6 and a == b
-    wa = load_file(str(api / "checkpoints" / "step_6" / "model.safetensors"))
-    wb = load_file(str(cli / "checkpoints" / "step_6" / "model.safetensors"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    _assert_same_run(api, cli, 6)
+
+
+@pytest.mark.slow
+def test_a_callback_sees_every_step_and_stops_the_run_which_then_resumes_to_the_uninterrupted_bits(tiny, tmp_path):
+    """A transformers TrainerCallback (the real class) on GRPOTrainer: on_log gets each step's metrics, setting
+    control.should_training_stop after step 2 ends the run with a checkpoint, and train(resume_from_checkpoint=True)
+    finishes it with the metrics and weights of a run never stopped."""
+    from transformers import TrainerCallback
+
+    from grpolab import GRPOConfig, GRPOTrainer
+
+    class Stopper(TrainerCallback):
+        def __init__(self):
+            self.events, self.logs = [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.events.append(("begin", state.global_step, state.max_steps, args.max_steps))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(logs)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+        def on_save(self, args, state, control, **kwargs):
+            self.events.append(("save", state.global_step))
+
+    def args(out):
+        return GRPOConfig(output_dir=str(out), learning_rate=1e-3, per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=8, max_steps=4, beta=0.04, **{"train.threads": 1})
+
+    rows, stopper = _prompts(12), Stopper()
+    stopped = GRPOTrainer(model=str(tiny), reward_funcs=reward_len, train_dataset=rows, args=args(tmp_path / "a"),
+                          callbacks=[stopper])
+    stopped.train()
+    assert stopped.state.global_step == 2
+    assert stopper.events == [("begin", 0, 4, 4), ("save", 2)]
+    assert [m["step"] for m in stopper.logs] == [1, 2]
+    assert [json.loads(line)["reward"] for line in open(tmp_path / "a" / "metrics.jsonl")] == \
+        [m["reward"] for m in stopper.logs]
+    resumed = GRPOTrainer(model=str(tiny), reward_funcs=reward_len, train_dataset=rows, args=args(tmp_path / "a"))
+    resumed.train(resume_from_checkpoint=True)
+    GRPOTrainer(model=str(tiny), reward_funcs=reward_len, train_dataset=rows, args=args(tmp_path / "b")).train()
+    assert resumed.state.global_step == 4
+    _assert_same_run(tmp_path / "a", tmp_path / "b", 4)
+
+
+@pytest.mark.slow
+def test_evaluate_scores_the_last_checkpoint_as_the_final_eval_did(tiny, tmp_path):
+    from grpolab import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic.generate("train", 12, seed=6)]
+    held = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic.generate("test", 4, seed=6)]
+
+    class Evals:   # any object with the methods it wants will do
+        seen: list = []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.seen.append((state.global_step, metrics))
+
+    trainer = GRPOTrainer(model=str(tiny), reward_funcs="gsm8k_accuracy", train_dataset=rows, eval_dataset=held,
+                          callbacks=[Evals],
+                          args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                          max_completion_length=8, max_steps=2, eval_strategy="steps", eval_steps=1,
+                                          **{"eval.k": 2, "train.threads": 1}))
+    final = trainer.train()
+    assert set(final) == {"greedy_accuracy", "pass@1", "pass@2", "maj@2"}
+    assert trainer.evaluate() == {f"eval_{k}": v for k, v in final.items()}
+    # the periodic eval after step 1 and the final one after step 2, as metrics.jsonl's rows hold them
+    logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [step for step, _ in Evals.seen] == [1, 2]
+    for (step, metrics), row in zip(Evals.seen, logged):
+        assert metrics and all(row[k] == v for k, v in metrics.items())
+    with pytest.raises(ConfigError, match="evaluate: not supported"):
+        from grpolab import SFTTrainer
+        SFTTrainer(model=str(tiny), train_dataset=_conversations(2)).evaluate()
+
+
+@pytest.mark.slow
+def test_a_loaded_model_and_a_grpolab_checkpoint_are_models_too(tiny, tmp_path):
+    """SFT on a loaded transformers model (saved into the run with its tokenizer) runs as SFT on its directory does,
+    bit for bit; GRPO from that SFT run's checkpoint starts from the SFT weights (model.init_from)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpolab import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+    def sft_args(out):
+        return SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                         **{"train.threads": 1})
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tiny))
+    SFTTrainer(model=loaded, processing_class=AutoTokenizer.from_pretrained(str(tiny)), train_dataset=_conversations(8),
+               args=sft_args(tmp_path / "loaded")).train()
+    SFTTrainer(model=str(tiny), train_dataset=_conversations(8), args=sft_args(tmp_path / "path")).train()
+    _assert_same_run(tmp_path / "loaded", tmp_path / "path", 2)
+
+    def grpo(model, out):
+        t = GRPOTrainer(model=model, reward_funcs=reward_len, train_dataset=_prompts(4),
+                        args=GRPOConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=4,
+                                        num_generations=4, max_completion_length=6, **{"train.threads": 1}))
+        t.train()
+        return t, [json.loads(line)["completion"] for line in open(out / "samples.jsonl")]
+
+    ckpt = tmp_path / "path" / "checkpoints" / "step_2"
+    from_sft, tuned = grpo(str(ckpt), tmp_path / "grpo_sft")
+    assert from_sft.config.model.init_from == str(ckpt)
+    _, base = grpo(str(tiny), tmp_path / "grpo_base")
+    assert tuned != base   # the same seed samples other completions from the SFT weights

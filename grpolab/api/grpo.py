@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
+from ..jobs.eval import run_eval
 from ..jobs.train import run_train
 from .grpo_fields import GRPO, GRPO_UNSUPPORTED, grpo_settings
 from .inputs import reward_specs
@@ -56,6 +57,17 @@ class GRPOTrainer(Trainer):
         if evals:
             keys["data.test_path"] = evals
         return keys
+
+
+    def evaluate(self) -> dict:
+        """The last checkpoint's held-out eval, as `grpolab eval` runs it (greedy accuracy, pass@k and maj@k on the
+        eval rows, scored against their `answer` column by eval.reward), under TRL's names: eval_<metric>. Writes
+        <output_dir>/evaluate/eval.json."""
+        last = self.last_checkpoint("evaluate")
+        if not self.config.eval.num_problems:
+            raise ConfigError("evaluate: no held-out rows; give an eval_dataset with `prompt` and `answer` columns")
+        res = run_eval(str(last), self.config, out=str(last.parent.parent / "evaluate"))
+        return {f"eval_{k}": v for k, v in res.items()}
 
 
 def _answer_key(rows: Any) -> str | None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config
 from ..config.load import _flatten, config_from_dict, read_yaml
+from ..distributed import world_from_env
 from ..errors import ConfigError
+from ..train.callbacks import Hooks, TrainerState
 from .inputs import lora_settings, rows_of, write_rows
 from .trl_fields import check_fields
 
@@ -29,20 +30,12 @@ class TRLConfig:
         self.keys = {k: v for k, v in fields.items() if "." in k}
 
     def __getattr__(self, name: str) -> Any:
-        if name in type(self).FIELDS:
-            return self.__dict__["fields"].get(name, type(self).FIELDS[name])
+        if name in type(self).FIELDS:   # TRL's attribute: the value given, else TRL's default
+            return self.__dict__.get("fields", {}).get(name, type(self).FIELDS[name])
         raise AttributeError(name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in {**self.fields, **self.keys}.items())})"
-
-
-@dataclass
-class TrainerState:
-    """What TRL's `trainer.state` holds that grpolab has: the step reached and one dict per step of metrics.jsonl."""
-    global_step: int = 0
-    max_steps: int = 0
-    log_history: list[dict] = field(default_factory=list)
 
 
 # a checkpoint's training state, left out of save_model's copy
@@ -62,10 +55,10 @@ class Trainer:
         name = type(self).__name__
         if train_dataset is None:
             raise ConfigError(f"{name}: train_dataset is required")
-        if callbacks:
-            raise ConfigError(f"{name}: callbacks are not supported yet; read trainer.state.log_history or "
-                              f"<output_dir>/metrics.jsonl")
         self.model, self.processing_class = model, processing_class
+        self.callbacks: list = []
+        for cb in callbacks or []:
+            self.add_callback(cb)
         self.train_rows = rows_of(train_dataset, "train_dataset")
         self.eval_rows = None if eval_dataset is None else rows_of(eval_dataset, "eval_dataset")
         self.given, self.trl = self._args(args)
@@ -106,7 +99,7 @@ class Trainer:
                  else write_rows(self.eval_rows, inputs / "eval.jsonl"))
         keys = self.settings(train, evals, 0 if isinstance(self.train_rows, str) else len(self.train_rows),
                              0 if not isinstance(self.eval_rows, list) else len(self.eval_rows))
-        keys["model.name_or_path"] = self._model_path(inputs)
+        keys.update(self._model_keys(inputs))
         keys.update(self.lora)
         keys.update(self.given)
         keys["train.output_dir"] = str(out)
@@ -114,9 +107,16 @@ class Trainer:
             keys["train.resume"] = "auto" if resume is True else str(resume)
         return config_from_dict(keys)
 
-    def _model_path(self, inputs: Path) -> str:
+    def _model_keys(self, inputs: Path) -> dict[str, str]:
+        """model.name_or_path (a directory, hub id or GGUF file; a loaded model saved into `inputs`), or
+        model.init_from for a grpolab checkpoint (…/checkpoints/step_N, built-in GPT ones too)."""
         if isinstance(self.model, (str, Path)):
-            return str(self.model)
+            if self.processing_class is not None:
+                raise ConfigError("processing_class: grpolab reads the tokenizer from the model's directory; save "
+                                  "the tokenizer there, or pass the loaded model with it")
+            if (Path(self.model) / "manifest.json").is_file():
+                return {"model.init_from": str(self.model)}
+            return {"model.name_or_path": str(self.model)}
         if not hasattr(self.model, "save_pretrained") or not hasattr(self.model, "config"):
             raise ConfigError(f"model: give a path, a hub id or a transformers model, not {type(self.model).__name__}")
         if hasattr(self.model, "peft_config"):
@@ -127,14 +127,16 @@ class Trainer:
         target = inputs / "model"
         self.model.save_pretrained(str(target))
         self.processing_class.save_pretrained(str(target))
-        return str(target)
+        return {"model.name_or_path": str(target)}
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
         """Run to the last step (resume_from_checkpoint: True = the latest checkpoint in output_dir, or a
         checkpoints/step_N directory); returns what the job returns (GRPO: the final eval's metrics; the offline
         trainers: their summary)."""
         self.config = self._config(resume_from_checkpoint)
-        self.result = type(self).job(self.config) or {}
+        hooks = Hooks(self.callbacks, args=self.trl if self.trl is not None else self.config,
+                      main=world_from_env().main)
+        self.result = type(self).job(self.config, hooks=hooks) or {}
         metrics = Path(self.config.train.output_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
             if metrics.is_file() else []
@@ -145,21 +147,35 @@ class Trainer:
     def _max_steps(self) -> int:
         return self.config.train.max_steps
 
+    def add_callback(self, callback: Any) -> None:
+        """A TRL/transformers TrainerCallback (an instance, or a class made with no arguments), or any object with
+        some of its methods: on_train_begin, on_step_end, on_log(logs=...), on_evaluate(metrics=...), on_save,
+        on_train_end, each called with (args, state, control)."""
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
     def save_model(self, output_dir: str | None = None) -> str:
         """The trained weights and tokenizer from the last checkpoint, copied to `output_dir` (default:
         <output_dir>/final) without the training state: a Hugging Face directory (transformers loads it), or with
         LoRA the adapter in peft's layout (peft loads it onto the base model)."""
+        last = self.last_checkpoint("save_model")
+        target = Path(output_dir) if output_dir else last.parent.parent / "final"
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(last, target, ignore=lambda _, names: [n for n in names if n in TRAINING_STATE])
+        return str(target)
+
+    def last_checkpoint(self, caller: str) -> Path:
         if self.config is None:
-            raise ConfigError("save_model: call train() first")
+            raise ConfigError(f"{caller}: call train() first")
         run = Path(self.config.train.output_dir)
         steps = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
         if not steps:
-            raise ConfigError(f"save_model: {run}/checkpoints holds no checkpoint")
-        target = Path(output_dir) if output_dir else run / "final"
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(steps[-1], target, ignore=lambda _, names: [n for n in names if n in TRAINING_STATE])
-        return str(target)
+            raise ConfigError(f"{caller}: {run}/checkpoints holds no checkpoint")
+        return steps[-1]
+
+    def evaluate(self) -> dict:
+        raise ConfigError(f"evaluate: not supported by grpolab's {type(self).__name__} yet; train() returns the "
+                          f"held-out eval before and after training")
 
     def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
         raise ConfigError("push_to_hub: not supported by grpolab; upload the directory save_model() writes with "

@@ -8,6 +8,7 @@ from ..config import Config
 from ..errors import ConfigError, DataError
 from ..models.checkpoint import load_model
 from ..monitor.console import Console
+from ..train.callbacks import Hooks
 from ..train.distill import DistillTrainer
 from .common import model_device
 from .inputs import fit_prompts
@@ -34,12 +35,13 @@ def run(cfg: Config, args: Namespace) -> dict:
     return run_distill(cfg)
 
 
-def run_distill(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run_distill(cfg: Config, console: Console | None = None, before: dict | None = None,
+               hooks: Hooks | None = None) -> dict:
     """Distillation from distill.teacher into the student (`grpolab distill`); returns summary.json's contents."""
-    return run_job(cfg, "distill", console, lambda c: _distill(cfg, c, before))
+    return run_job(cfg, "distill", console, lambda c: _distill(cfg, c, before, hooks))
 
 
-def _distill(cfg: Config, console: Console, before: dict | None) -> dict:
+def _distill(cfg: Config, console: Console, before: dict | None, hooks: Hooks | None) -> dict:
     d = cfg.distill
     if not d.teacher:
         raise ConfigError("distill.teacher: give the teacher, a checkpoint (…/checkpoints/step_N) or a Hugging Face "
@@ -58,4 +60,4 @@ def _distill(cfg: Config, console: Console, before: dict | None) -> dict:
     trainer = DistillTrainer(cfg, model, tok, teacher, rows, test_rows=test_task, run_dir=run_dir, console=console)
     console.info(f"distill ({d.mode}{', ' + d.kl + ' KL' if d.mode == 'logits' else ''}): teacher {d.teacher}, "
                  f"student {model.num_params() / 1e6:.2f}M parameters, {trainer.max_steps} steps")
-    return finish_job(trainer, cfg, run_dir, ckpt, console, before)
+    return finish_job(trainer, cfg, run_dir, ckpt, console, before, hooks)

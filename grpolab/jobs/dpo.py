@@ -9,6 +9,7 @@ from ..data.loading import read_records
 from ..data.preference import fit_pairs, preference_rows
 from ..errors import ConfigError
 from ..monitor.console import Console
+from ..train.callbacks import Hooks
 from ..train.dpo import DPOTrainer
 from ..train.sft import model_context
 from .inputs import fit_prompts
@@ -29,12 +30,13 @@ def run(cfg: Config, args: Namespace) -> dict:
     return run_dpo(cfg)
 
 
-def run_dpo(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run_dpo(cfg: Config, console: Console | None = None, before: dict | None = None,
+           hooks: Hooks | None = None) -> dict:
     """Direct preference optimisation (`grpolab dpo`); returns summary.json's contents."""
-    return run_job(cfg, "dpo", console, lambda c: _dpo(cfg, c, before))
+    return run_job(cfg, "dpo", console, lambda c: _dpo(cfg, c, before, hooks))
 
 
-def _dpo(cfg: Config, console: Console, before: dict | None) -> dict:
+def _dpo(cfg: Config, console: Console, before: dict | None, hooks: Hooks | None) -> dict:
     pairs = read_pairs(cfg, cfg.dpo.pairs)
     run_dir, ckpt, _, test_task = start_job(cfg, "dpo", console)
     model, tok = starting_model(cfg, ckpt, console)
@@ -46,6 +48,6 @@ def _dpo(cfg: Config, console: Console, before: dict | None) -> dict:
     trainer = DPOTrainer(cfg, model, tok, pairs, test_rows=test_task, run_dir=run_dir, console=console)
     console.info(f"dpo: {len(pairs)} pairs, {trainer.max_steps} steps x {cfg.dpo.batch_size} pairs, "
                  f"beta {cfg.dpo.beta}, {cfg.dpo.loss_type}")
-    return finish_job(trainer, cfg, run_dir, ckpt, console, before)
+    return finish_job(trainer, cfg, run_dir, ckpt, console, before, hooks)
 
 

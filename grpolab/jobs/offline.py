@@ -14,6 +14,7 @@ from ..data.supervised import has_sft_target, sft_rows, task_sft_rows
 from ..errors import ConfigError
 from ..models.checkpoint import load_model
 from ..monitor.console import Console
+from ..train.callbacks import Hooks
 from ..train.memory_budget import check_eval_memory
 from ..train.run import Run
 from ..utils.files import write_json
@@ -110,10 +111,11 @@ def fresh_model(cfg: Config) -> bool:
     return cfg.model.name_or_path == "builtin" and not cfg.model.init_from
 
 
-def finish_job(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before: dict | None) -> dict:
+def finish_job(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, before: dict | None,
+               hooks: Hooks | None = None) -> dict:
     """Resume (ckpt), train, evaluate, write eval.json / summary.json and the report. `before`: the
     starting model's held-out eval when known (a pipeline's previous stage), else evaluated once
-    before training."""
+    before training. `hooks`: a Python caller's callbacks."""
     if trainer.max_steps == 0:
         raise ConfigError(f"{trainer.job}.steps: 0 steps to run; set {trainer.job}.steps or {trainer.job}.epochs")
     # an eval batch the memory cannot hold (eval.k, eval.batch_size): one line now, not at the final eval
@@ -128,7 +130,7 @@ def finish_job(trainer, cfg: Config, run_dir: Path, ckpt, console: Console, befo
             before = {} if fresh_model(cfg) else trainer.evaluate()
         write_json(before_file, before)
     before = json.loads(before_file.read_text())
-    trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
+    trainer.train(final_eval=True, hooks=hooks)   # the final eval is logged with the last step
     after = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
     write_json(run_dir / "eval.json", {k.removeprefix("eval/"): v for k, v in after.items()})
     keys = [k for k in after if k.removeprefix("eval/") in getattr(trainer, "summary_keys", (*EVAL_KEYS, "loss"))]

@@ -17,6 +17,7 @@ from ..models.hf import DTYPES, resolve_device
 from ..models.lora import lora_config
 from ..models.reward_head import BUILTIN_RM, BuiltinRewardModel, checkpoint_kind, load_builtin_rm, load_hf_rm
 from ..monitor.console import Console
+from ..train.callbacks import Hooks
 from ..train.rm import RewardTrainer
 from ..train.run import Run
 from .common import model_device
@@ -105,12 +106,13 @@ def run(cfg: Config, args: Namespace) -> dict:
     return run_rm(cfg)
 
 
-def run_rm(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run_rm(cfg: Config, console: Console | None = None, before: dict | None = None,
+          hooks: Hooks | None = None) -> dict:
     """Reward-model training (`grpolab rm`); returns summary.json's contents."""
-    return run_job(cfg, "rm", console, lambda c: _rm(cfg, c, before))
+    return run_job(cfg, "rm", console, lambda c: _rm(cfg, c, before, hooks))
 
 
-def _rm(cfg: Config, console: Console, before: dict | None) -> dict:
+def _rm(cfg: Config, console: Console, before: dict | None, hooks: Hooks | None) -> dict:
     pairs, test_pairs = rm_pairs(cfg)
     if distributed.world_from_env().size > 1:
         raise ConfigError("rm runs in one process; drop --nproc / torchrun")
@@ -123,7 +125,7 @@ def _rm(cfg: Config, console: Console, before: dict | None) -> dict:
     trained = sum(p.numel() for p in rm.parameters() if p.requires_grad)
     console.info(f"rm: {len(pairs)} pairs ({len(test_pairs)} held out), {trainer.max_steps} steps x "
                  f"{cfg.rm.batch_size} pairs, {trained / 1e6:.2f}M trained parameters")
-    summary = finish_job(trainer, cfg, run_dir, ckpt, console, before)
+    summary = finish_job(trainer, cfg, run_dir, ckpt, console, before, hooks)
     final = list_checkpoints(run_dir / "checkpoints")[-1]
     console.result(f"reward model: {final} (use it as reward.functions=[rm:{final}])")
     return summary

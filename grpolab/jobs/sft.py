@@ -17,6 +17,7 @@ from ..config import Config
 from ..config.schema import SFTConfig
 from ..errors import ConfigError
 from ..monitor.console import Console
+from ..train.callbacks import Hooks
 from ..train.offline_trainer import total_steps
 from ..train.sft import SFTTrainer, warm_start_hook
 from .inputs import fit_prompts
@@ -33,9 +34,10 @@ def run(cfg: Config, args: Namespace) -> dict:
     return run_sft(cfg)
 
 
-def run_sft(cfg: Config, console: Console | None = None, before: dict | None = None) -> dict:
+def run_sft(cfg: Config, console: Console | None = None, before: dict | None = None,
+           hooks: Hooks | None = None) -> dict:
     """Supervised fine-tuning (`grpolab sft`); returns summary.json's contents."""
-    return run_job(cfg, "sft", console, lambda c: _sft(cfg, c, before))
+    return run_job(cfg, "sft", console, lambda c: _sft(cfg, c, before, hooks))
 
 
 def hf_model(cfg: Config) -> bool:
@@ -72,7 +74,7 @@ def own_rows_only(cfg: Config) -> bool:
     return hf_model(cfg) and bool(cfg.sft.train_path) and cfg.data.task == DEFAULT_TASK
 
 
-def _sft(cfg: Config, console: Console, before: dict | None) -> dict:
+def _sft(cfg: Config, console: Console, before: dict | None, hooks: Hooks | None) -> dict:
     s = cfg.sft
     changed = [hf_lr(cfg)]
     if not s.epochs:   # known before the data: config.yaml records the value used
@@ -95,4 +97,4 @@ def _sft(cfg: Config, console: Console, before: dict | None) -> dict:
     trainer = SFTTrainer(cfg, model, tok, rows, test_rows=test_task, heldout_rows=heldout, run_dir=run_dir,
                          console=console, batch_hook=warm_start_hook(cfg, len(rows)))
     console.info(f"sft: {len(rows)} rows, {trainer.max_steps} steps x {s.batch_size} rows")
-    return finish_job(trainer, cfg, run_dir, ckpt, console, before)
+    return finish_job(trainer, cfg, run_dir, ckpt, console, before, hooks)

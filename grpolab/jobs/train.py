@@ -14,6 +14,7 @@ from ..models import CharTokenizer
 from ..models.checkpoint import load_model
 from ..models.hf import resolve_device
 from ..monitor.console import Console
+from ..train.callbacks import Hooks
 from ..train.grpo import GRPOTrainer
 from ..train.memory_budget import builtin_shape, check_run_memory
 from ..train.run import Run
@@ -67,16 +68,17 @@ def run(cfg: Config, args: Namespace) -> dict:
     return run_train(cfg)
 
 
-def run_train(cfg: Config, console: Console | None = None) -> dict:
-    """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics."""
+def run_train(cfg: Config, console: Console | None = None, hooks: Hooks | None = None) -> dict:
+    """SFT/loading, GRPO for train.max_steps, final eval. Returns the final eval metrics. `hooks`: a Python
+    caller's callbacks."""
     setup_torch(cfg)
     try:
-        return _train(cfg, console or make_console(cfg))
+        return _train(cfg, console or make_console(cfg), hooks)
     finally:   # also on errors and Ctrl-C: a rank leaves its process group cleanly
         distributed.shutdown()
 
 
-def _train(cfg: Config, console: Console) -> dict:
+def _train(cfg: Config, console: Console, hooks: Hooks | None) -> dict:
     run = Run(cfg, GRPOTrainer.job)
     run.start()
     run_dir = run.dir
@@ -85,7 +87,7 @@ def _train(cfg: Config, console: Console) -> dict:
         console.info(f"{trainer.world.size} ranks ({torch.distributed.get_backend()}), "
                      f"{torch.get_num_threads()} threads each")
     try:
-        trainer.train(final_eval=True)   # the final eval is logged with the last step (metrics.jsonl, trackers)
+        trainer.train(final_eval=True, hooks=hooks)   # the final eval is logged with the last step
         final = trainer.final_eval if trainer.final_eval is not None else trainer.evaluate()
     finally:
         trainer.close()

@@ -26,6 +26,7 @@ from ..models.checkpoint import load_training_state, prune_checkpoints, save_che
 from ..models.lora import add_lora, has_lora, lora_config
 from ..monitor.console import PROGRESS_SECONDS, StepProgress
 from ..monitor.trackers import Trackers
+from .callbacks import Hooks
 from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
 from .master import MasterWeights
 from .run_logs import rewind_logs
@@ -167,37 +168,32 @@ class Trainer:
             self.console.warn(msg)
 
     # ------------------------------------------------------------ the loop
-    def train(self, final_eval: bool = False) -> list[dict]:
+    def train(self, final_eval: bool = False, hooks: Hooks | None = None) -> list[dict]:
         """Run to the last step; returns this call's step metrics. With a run directory: metrics.jsonl,
         evaluate every train.eval_every steps, checkpoint every train.save_every steps and at the end.
         SIGINT/SIGTERM finish the step, save and raise KeyboardInterrupt (the first is acknowledged at
         once, a second stops at once). `final_eval` (with a run directory): after the final checkpoint,
         the held-out eval, logged with the last step's row (metrics.jsonl, TensorBoard, wandb) and kept in
-        `self.final_eval` (None when this call ran no step)."""
+        `self.final_eval` (None when this call ran no step). `hooks`: a Python caller's callbacks (callbacks.py);
+        one that sets control.should_training_stop ends the run after that step, saved as at the end."""
         t = self.cfg.train
+        self.hooks = hooks = hooks or Hooks()
         history: list[dict] = []
         start, start_step = time.perf_counter(), self.step   # the ETA is this process's pace, also after a resume
         self._said = start
         run, files = self.run_dir is not None, self.writes
         self.final_eval = None
-        if files:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if self.step == 0:
-                self.fresh_run()
-        stop = StopFlag(announce=files) if run else contextlib.nullcontext()
-        # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
-        trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
-            if files else contextlib.nullcontext()
-        self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
-        # a resumed run appends after the lines its checkpoint already covers
-        out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if files else contextlib.nullcontext()
+        stop, trackers, out = self._run_logs(run, files)
         pending, pending_at = None, 0   # the last step's row and where it starts in metrics.jsonl
         with trackers, out as f, self.progress:
+            hooks.begin(self.step, self.max_steps)
             with stop:
                 while self.step < self.max_steps:
                     m = self.train_step()
                     if run and t.eval_every and self.step % t.eval_every == 0 and self.step < self.max_steps:
-                        m.update(self.eval_row(self.run_eval(final=False)))
+                        evals = self.eval_row(self.run_eval(final=False))
+                        m.update(evals)
+                        hooks.evaluated(self.step, evals)
                     history.append(m)
                     # a signal seen by any rank stops every rank after the same step
                     stopping = run and self._sum(float(stop.signal is not None))[0] > 0
@@ -205,6 +201,7 @@ class Trainer:
                         pending, pending_at = m, (f.tell() if files else 0)
                     if files:   # written now: a crash in the final eval below loses no step
                         self.log_row(m, f, trackers, time.perf_counter() - start, start_step)
+                    hooks.step_end(self.step, m)
                     if pending is not None:
                         break
                     self.show_progress(m, start, start_step)
@@ -216,13 +213,34 @@ class Trainer:
                         raise KeyboardInterrupt(f"stopped by {stop.signal or 'a signal to another rank'} after "
                                                 f"{self.step_label(self.step)}; checkpoint saved, continue with "
                                                 f"train.resume=auto")
+                    if hooks.callbacks and self._sum(float(hooks.stop))[0] > 0:   # every rank stops at one step
+                        break
                     if run and t.save_every and self.step % t.save_every == 0 and self.step < self.max_steps:
                         self.save()
+                        hooks.saved()
             if run:
                 self.save()
+                hooks.saved()
             if pending is not None:   # the final checkpoint is safe first; then the held-out eval, in the last row
                 self._fold_final_eval(pending, pending_at, f, trackers, start, start_step)
+        hooks.end()
         return history
+
+    def _run_logs(self, run: bool, files: bool) -> tuple:
+        """The run's signal flag, trackers and metrics.jsonl (null contexts where there is no run directory, or
+        on a rank that does not write)."""
+        if files:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.step == 0:
+                self.fresh_run()
+        stop = StopFlag(announce=files) if run else contextlib.nullcontext()
+        # a resumed run drops the tracker points after its checkpoint's step and continues the same wandb run
+        trackers = Trackers(self.cfg, self.run_dir, start_step=self.step, wandb_run_id=self.wandb_run_id) \
+            if files else contextlib.nullcontext()
+        self.wandb_run_id = getattr(trackers, "wandb_run_id", None) or self.wandb_run_id
+        # a resumed run appends after the lines its checkpoint already covers
+        out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if files else contextlib.nullcontext()
+        return stop, trackers, out
 
     def _fold_final_eval(self, row: dict, at: int, f, trackers, start: float, start_step: int) -> None:
         """The held-out eval after the last step, kept in `self.final_eval` and folded into that step's
@@ -230,6 +248,7 @@ class Trainer:
         self.final_eval = self.run_eval(final=True)
         evals = self.eval_row(self.final_eval)
         row.update(evals)
+        self.hooks.evaluated(self.step, evals)
         if self.writes:   # the last step's row again, now with the eval (trackers: the eval alone)
             f.seek(at)
             f.truncate()

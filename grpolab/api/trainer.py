@@ -47,7 +47,7 @@ class Trainer:
     """The shared part of GRPOTrainer, SFTTrainer, DPOTrainer and RewardTrainer. A subclass names its config class,
     the job that runs it, and the keys its rows and fields become (`settings`)."""
     config_class: type[TRLConfig] = TRLConfig
-    job: Callable[[Config], dict]
+    job: Callable[..., dict]   # the command line's job: run_train, run_sft, ... (config, hooks=...)
     suffix = ""   # args=None: output_dir is "<model name>-<suffix>", as TRL names it
 
     def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -155,8 +155,8 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None) -> str:
         """The trained weights and tokenizer from the last checkpoint, copied to `output_dir` (default:
-        <output_dir>/final) without the training state: a Hugging Face directory (transformers loads it), or with
-        LoRA the adapter in peft's layout (peft loads it onto the base model)."""
+        <output_dir>/final) without the training state: a Hugging Face directory (transformers loads it), with
+        LoRA the adapter in peft's layout (peft loads it onto the base model); the built-in GPT in grpolab's layout."""
         last = self.last_checkpoint("save_model")
         target = Path(output_dir) if output_dir else last.parent.parent / "final"
         if target.exists():

@@ -58,7 +58,6 @@ class GRPOTrainer(Trainer):
             keys["data.test_path"] = evals
         return keys
 
-
     def evaluate(self) -> dict:
         """The last checkpoint's held-out eval, as `grpolab eval` runs it (greedy accuracy, pass@k and maj@k on the
         eval rows, scored against their `answer` column by eval.reward), under TRL's names: eval_<metric>. Writes

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .trl_fields import TRAINING, TRAINING_UNSUPPORTED, need, optimizer_settings, total_steps, training_settings
+from ..config.validate import need
+from .trl_fields import TRAINING, TRAINING_UNSUPPORTED, optimizer_settings, total_steps, training_settings
 
 # TRL's defaults for the GRPOConfig fields grpolab implements (TRL 1.x)
 GRPO: dict[str, Any] = {

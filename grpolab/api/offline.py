@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConfigError
 from ..jobs.dpo import run_dpo
@@ -40,35 +40,39 @@ class RewardConfig(TRLConfig):
     UNSUPPORTED = REWARD_UNSUPPORTED
 
 
-def _files(train: str) -> dict[str, Any]:
-    # the task's rows are the training file's (they hold no reference answers: no accuracy eval is run)
-    return {"data.task": "files", "data.train_path": train, "data.train_size": 0}
+class _OfflineTrainer(Trainer):
+    """An offline trainer's keys: its TRL fields (`to_keys`), the training rows as the task's rows (they hold no
+    reference answers: no accuracy eval is run) and as `train_key`, the held-out rows as `eval_key`."""
+    to_keys: Callable[..., dict[str, Any]]
+    train_key: str
+    eval_key: str | None = None
+
+    def settings(self, train: str, evals: str | None, n_train: int, n_eval: int) -> dict[str, Any]:
+        keys = type(self).to_keys(self.trl.fields, n_train, n_eval) if self.trl is not None else {}
+        keys.update({"data.task": "files", "data.train_path": train, "data.train_size": 0, self.train_key: train})
+        if evals:
+            keys[self.eval_key] = evals
+        return keys
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(_OfflineTrainer):
     """Supervised fine-tuning: rows of `messages` (every assistant turn is learned), `prompt` + `completion` (the
     completion is learned) or `text`."""
     config_class = SFTConfig
     suffix = "SFT"
     job = staticmethod(run_sft)
-
-    def settings(self, train: str, evals: str | None, n_train: int, n_eval: int) -> dict[str, Any]:
-        keys = sft_settings(self.trl.fields, n_train, n_eval) if self.trl is not None else {}
-        keys.update({**_files(train), "sft.train_path": train})
-        if evals:
-            keys["sft.test_path"] = evals
-        return keys
-
-    def _max_steps(self) -> int:
-        return self.config.sft.steps
+    to_keys = staticmethod(sft_settings)
+    train_key, eval_key = "sft.train_path", "sft.test_path"
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(_OfflineTrainer):
     """Direct preference optimisation on rows of `prompt`, `chosen`, `rejected` (text or conversations). The
     reference is the starting model (with LoRA: the model with its adapters off)."""
     config_class = DPOConfig
     suffix = "DPO"
     job = staticmethod(run_dpo)
+    to_keys = staticmethod(dpo_settings)
+    train_key = "dpo.pairs"
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
@@ -80,30 +84,12 @@ class DPOTrainer(Trainer):
             raise ConfigError("DPOTrainer: eval_dataset is not supported by grpolab's DPO yet")
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)
 
-    def settings(self, train: str, evals: str | None, n_train: int, n_eval: int) -> dict[str, Any]:
-        keys = dpo_settings(self.trl.fields, n_train, n_eval) if self.trl is not None else {}
-        keys.update({**_files(train), "dpo.pairs": train})
-        return keys
 
-    def _max_steps(self) -> int:
-        return self.config.dpo.steps
-
-
-class RewardTrainer(Trainer):
+class RewardTrainer(_OfflineTrainer):
     """A reward model (a score head on the model) from preference rows (`prompt`, `chosen`, `rejected`; an
     optional `margin`)."""
     config_class = RewardConfig
     suffix = "Reward"
     job = staticmethod(run_rm)
-
-    def settings(self, train: str, evals: str | None, n_train: int, n_eval: int) -> dict[str, Any]:
-        keys = reward_settings(self.trl.fields, n_train, n_eval) if self.trl is not None else {}
-        keys.update({**_files(train), "rm.pairs": train})
-        if evals:
-            keys["rm.test_pairs"] = evals
-        elif self.trl is not None:
-            keys["rm.eval_size"] = 0   # TRL holds nothing out of the training rows
-        return keys
-
-    def _max_steps(self) -> int:
-        return self.config.rm.steps
+    to_keys = staticmethod(reward_settings)
+    train_key, eval_key = "rm.pairs", "rm.test_pairs"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .trl_fields import TRAINING, TRAINING_UNSUPPORTED, need, optimizer_settings, total_steps, training_settings
+from ..config.validate import need
+from .trl_fields import TRAINING, TRAINING_UNSUPPORTED, optimizer_settings, total_steps, training_settings
 
 NOT_CUT = "rows are not cut to a length"
 
@@ -120,4 +121,5 @@ def reward_settings(fields: dict[str, Any], rows: int, eval_rows: int) -> dict[s
     f = _fields(REWARD, fields)
     out = _stage(f, "rm", "RewardConfig", rows, eval_rows)
     out["rm.center_rewards_coefficient"] = float(f["center_rewards_coefficient"] or 0.0)
+    out["rm.eval_size"] = 0   # TRL holds nothing out of the training rows (an eval_dataset is rm.test_pairs)
     return out

@@ -140,12 +140,9 @@ class Trainer:
         metrics = Path(self.config.train.output_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
             if metrics.is_file() else []
-        self.state = TrainerState(global_step=rows[-1]["step"] if rows else 0, max_steps=self._max_steps(),
+        self.state = TrainerState(global_step=rows[-1]["step"] if rows else 0, max_steps=hooks.state.max_steps,
                                   log_history=rows)
         return self.result
-
-    def _max_steps(self) -> int:
-        return self.config.train.max_steps
 
     def add_callback(self, callback: Any) -> None:
         """A TRL/transformers TrainerCallback (an instance, or a class made with no arguments), or any object with

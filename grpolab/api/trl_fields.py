@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..config.validate import need
 from ..errors import ConfigError
 
 # TRL's defaults (TRL 1.x configs over transformers 5's TrainingArguments) for the shared fields grpolab implements
@@ -84,11 +85,6 @@ def check_fields(fields: dict[str, Any], owner: str, supported: dict[str, Any],
             continue
         raise ConfigError(f"{owner}: unknown field {name!r}; TRL's fields are listed in docs/python-api.md, and "
                           f"grpolab's own keys go in dotted form, e.g. **{{'train.threads': 1}}")
-
-
-def need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
 
 
 def total_steps(f: dict[str, Any], rows: int, batch: int, owner: str) -> int:

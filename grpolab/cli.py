@@ -24,7 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from . import distributed
 from .config import Config
 from .config.load import load_config
-from .errors import CheckpointError, ConfigError, DataError, ExportError, RewardError, TrainingError
+from .errors import CheckpointError, ConfigError, DataError, EnvError, ExportError, RewardError, TrainingError
 from .jobs import demo, distill, dpo, export, generate, pipeline, report, rm, sample, serve, sft, tiny_model, train
 from .jobs import eval as eval_job
 from .utils.files import says_disk_full, torch_write_failed
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _error(f"config error: {e}", same_on_every_rank=True)
         return 2
-    except (DataError, RewardError, TrainingError, CheckpointError, ExportError) as e:
+    except (DataError, RewardError, EnvError, TrainingError, CheckpointError, ExportError) as e:
         if args.debug:
             raise
         _error(f"{type(e).__name__.replace('Error', '').lower()} error: {e}",

@@ -26,6 +26,11 @@ class UnknownRewardError(RewardError, KeyError):
     __str__ = Exception.__str__
 
 
+class EnvError(RuntimeError):
+    """An environment raised, hung, returned a malformed reply or a non-finite reward, or replied past the
+    episode's token budget; the message names the environment, the episode and the turn."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (e.g. it holds pickled objects); the message says which file and why."""
 

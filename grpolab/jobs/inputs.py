@@ -13,6 +13,7 @@ from ..data.loading import filter_long_prompts, normalize_rows, read_records
 from ..data.tasks import arithmetic, pyfunc
 from ..data.tasks.gsm8k import load_gsm8k
 from ..data.tasks.humaneval import load_humaneval
+from ..envs import reasoning_gym
 from ..errors import DataError
 from ..models import CharTokenizer, build_builtin
 from ..models.checkpoint import load_model
@@ -64,6 +65,11 @@ def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dic
         # the suffix and system prompt apply to GSM8K as to any dataset
         train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
                                       source=source) if r else r for r in (train, test))   # (no test split)
+    elif d.task.startswith(reasoning_gym.TASK_PREFIX):   # generated: a train and a held-out split of its own
+        train, test = reasoning_gym.load_rows(d.task, d.task_config, d.train_size, d.test_size, cfg.train.seed,
+                                              d.system_prompt)
+        if d.prompt_suffix:
+            train, test = (normalize_rows(r, prompt_suffix=d.prompt_suffix, source=d.task) for r in (train, test))
     else:
         train, test = _train_and_test(cfg, d.train_path, lambda path, split: _read_split(d, path, split),
                                       d.test_split, with_test)
@@ -82,7 +88,7 @@ DATA_SOURCES = {"arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k", "py
 
 
 def _with_data_source(rows: list[dict], d) -> list[dict]:
-    source = DATA_SOURCES.get(d.task, d.train_path)
+    source = DATA_SOURCES.get(d.task, d.task if d.task.startswith(reasoning_gym.TASK_PREFIX) else d.train_path)
     return [r if "data_source" in r else {**r, "data_source": source} for r in rows]
 
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from ..envs.reasoning_gym import reasoning_gym
 from ..errors import RewardError, UnknownRewardError
 from . import length as _length
 from .accuracy import gsm8k_accuracy, math_accuracy
 from .code import code_exec
 from .custom import load_reward, parse_call
+from .environment import env
 from .format import answer_format, boxed_format, think_format
 from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
 from .judge import get_judge
@@ -48,6 +50,10 @@ REWARDS: dict[str, RewardFn] = {
     "token_entropy": token_entropy,
     "trajectory_logprob": trajectory_logprob,
     "rlpr": rlpr,
+    # a reasoning-gym row's own scorer on the completion's <answer> (envs/reasoning_gym.py)
+    "reasoning_gym": reasoning_gym,
+    # an episode's summed step rewards from its environment (env.name; rollout/env_decode.py)
+    "env": env,
 }
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generation import Generation, cat_generations
+from .generation import LISTS, Generation, cat_generations
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RolloutBatch:
         pick = lambda xs: [xs[i] for i in idx.tolist()]  # noqa: E731
         g = self.gen
         gen = Generation(**{k: t[idx.to(t.device)] for k, t in g.tensors().items()},
-                         tool_calls=None if g.tool_calls is None else pick(g.tool_calls))
+                         **{k: None if getattr(g, k) is None else pick(getattr(g, k)) for k in LISTS})
         return RolloutBatch(gen=gen, group_ids=self.group_ids[idx], prompts=pick(self.prompts),
                             completions=pick(self.completions), columns={k: pick(v) for k, v in self.columns.items()},
                             rewards=None if self.rewards is None else self.rewards[idx],

@@ -10,7 +10,6 @@ from ..distributed import World
 from ..errors import NonFiniteLogits
 from ..monitor.console import Console, StepProgress
 from .engine import sample
-from .generation import Generation
 from .prompt_feed import PromptFeed, Request, rank_share
 from .source import RolloutSource, Taken, diverged
 
@@ -32,17 +31,16 @@ class BuiltinSource(RolloutSource):
         self.progress.start_phase("rollout", len(req.rows) * self.feed.G)
         # counts the tokens as they are sampled, for the progress line
         count = self._count_tokens if self.progress.on and self.tools is None else None
+        # tools are the same for every row; an environment starts each row's episodes from its dataset row
+        tools = None if self.tools is None else self.tools.bind([self.feed.rows[i] for i in req.rows])
         try:
             with self.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gens = [self.sample(c.pop("prompts"), on_tokens=count if i == 0 else None, **c)
+                gens = [sample(self.model, c.pop("prompts"), tools=tools, on_tokens=count if i == 0 else None, **c)
                         for i, c in enumerate(self.feed.calls(req))]
         except NonFiniteLogits:
             raise diverged(step) from None
         batch = self.feed.batch(req.rows, gens, step)
         return Taken(batch, req.epoch, {"time/generate": time.perf_counter() - t0})
-
-    def sample(self, prompts: list[list[int]], **kw) -> Generation:
-        return sample(self.model, prompts, tools=self.tools, **kw)
 
     def _count_tokens(self, n: int) -> None:
         self.progress.add(tokens=n)

@@ -137,9 +137,9 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
            tools=None, penalties: Penalties | None = None, budgets: torch.Tensor | None = None,
            on_tokens=None) -> Generation:
     """Prefill, then sample up to `max_new_tokens` tokens per row (see `engine.generate` for the
-    arguments). `tools` (a `tool_decode.ToolSession`): its rows may have tool results fed to them;
-    those positions count toward `tools.length` (the positions model and tools fill together), not
-    toward `max_new_tokens`, and get the log-prob 0 and the tool mask."""
+    arguments). `tools` (a `tool_decode.ToolSession` or `env_decode.EpisodeSession`): its rows may have tool
+    results or an environment's replies fed to them; those positions count toward `tools.length` (the positions
+    model and tools fill together), not toward `max_new_tokens`, and get the log-prob 0 and the tool mask."""
     device = next(model.parameters()).device
     keys = keys.to(device) if keys is not None else None
     budgets = budgets.to(device) if budgets is not None else None
@@ -203,8 +203,9 @@ def decode(model, prompts: list[list[int]], num_generations: int, max_new_tokens
     sampled = valid & ~fed
     check_finite(logps, sampled)
     G = num_generations
+    extra = tools.finish(out, end.clamp(max=steps)) if tools is not None else {}
     return Generation(
         prompt_ids=pre.prompt_ids.repeat_interleave(G, dim=0), prompt_mask=pre.prompt_mask.repeat_interleave(G, dim=0),
         completion_ids=out.masked_fill(~valid, pad_id), completion_mask=sampled,
         sampler_logprobs=logps.masked_fill(~sampled, 0.0), truncated=~stopped,
-        tool_mask=valid & fed if tools is not None else None, tool_calls=tools.records if tools is not None else None)
+        tool_mask=valid & fed if tools is not None else None, **extra)

@@ -15,7 +15,6 @@ import torch
 from . import slot_decode
 from .decode_loop import PREFILL_CHUNK, Penalties, decode
 from .generation import Generation
-from .tool_decode import ToolSession
 
 
 def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_new_tokens: int = 64,
@@ -32,7 +31,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     Randomness: `keys` (num_prompts * G,) int64 from `keys.completion_keys` make each row's draws
     depend on its key alone (the same completions however the rows are batched); otherwise the
     rows share `generator`'s stream.
-    `tools` (a `tool_decode.ToolUse`): rows may call tools mid-completion (see tool_decode).
+    `tools` (a `tool_decode.ToolUse`, or an environment bound to the prompts' rows, `env_decode.BoundEnv`): rows
+    may call tools mid-completion (see tool_decode), or each row is an episode the environment replies in.
     `logits_hook(logits, t, rows) -> logits`: called before each token is sampled, with the logits (R, V)
     of the R rows still decoding, the token index t and `rows` (R,), those rows' indices among the
     B outputs (a logits processor; bench/rollout.py forces each row's stop length with it).
@@ -61,8 +61,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
                                    pad_id=pad_id, keys=keys, budgets=budgets, on_tokens=on_tokens)
     else:
         with torch.inference_mode():
-            session = None if tools is None else ToolSession(tools, len(prompts) * num_generations, max_new_tokens,
-                                                              next(model.parameters()).device)
+            session = None if tools is None else tools.session(len(prompts) * num_generations, max_new_tokens,
+                                                                next(model.parameters()).device)
             out = decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids,
                          pad_id, generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session,
                          penalties=pen, budgets=budgets, on_tokens=on_tokens)

@@ -9,6 +9,9 @@ import torch
 
 from ..utils.padding import pad_to_width
 
+# the per-row records that are lists, not tensors
+LISTS = ("tool_calls", "episodes")
+
 
 @dataclass
 class Generation:
@@ -20,6 +23,7 @@ class Generation:
     truncated: torch.Tensor         # (B,) bool, True when no stop token within max_new_tokens
     tool_mask: torch.Tensor | None = None  # (B, C) bool, True at tokens tools wrote (context: no loss, no KL)
     tool_calls: list | None = None  # (B,) with tools: each row's calls, [{name, arguments, output, error}]
+    episodes: list | None = None    # (B,) in an environment: each row's episode, {turns, rewards, reward, done}
 
     def __post_init__(self) -> None:
         if self.tool_mask is None:
@@ -36,15 +40,16 @@ class Generation:
         return [ids[m].tolist() for ids, m in zip(self.completion_ids.cpu(), self.context_mask.cpu())]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tool_calls"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in LISTS}
 
     def rows(self, lo: int, hi: int) -> Generation:
         """Rows lo..hi-1 (padding as it is)."""
         return Generation(**{k: t[lo:hi] for k, t in self.tensors().items()},
-                          tool_calls=None if self.tool_calls is None else self.tool_calls[lo:hi])
+                          **{k: None if getattr(self, k) is None else getattr(self, k)[lo:hi] for k in LISTS})
 
     def to(self, device) -> Generation:
-        return Generation(**{k: t.to(device) for k, t in self.tensors().items()}, tool_calls=self.tool_calls)
+        return Generation(**{k: t.to(device) for k, t in self.tensors().items()},
+                          **{k: getattr(self, k) for k in LISTS})
 
 
 def cat_generations(gens: list[Generation], pad_id: int) -> Generation:
@@ -62,4 +67,5 @@ def cat_generations(gens: list[Generation], pad_id: int) -> Generation:
         sampler_logprobs=torch.cat([pad_to_width(g.sampler_logprobs, C, 0.0, "right") for g in gens]),
         truncated=torch.cat([g.truncated for g in gens]),
         tool_mask=torch.cat([pad_to_width(g.tool_mask, C, False, "right") for g in gens]),
-        tool_calls=None if any(g.tool_calls is None for g in gens) else [c for g in gens for c in g.tool_calls])
+        **{k: None if any(getattr(g, k) is None for g in gens) else [c for g in gens for c in getattr(g, k)]
+           for k in LISTS})

@@ -80,10 +80,13 @@ class PromptFeed:
         greedy = gens[1].id_lists() if len(gens) > 1 else None
         completions = [self.tok.decode(ids) for ids in gen.id_lists()]
         keys = [k for k in picked[0] if k != "prompt"]
+        columns = {k: [x[k] for x in picked for _ in range(G)] for k in keys}
+        if gen.episodes is not None:   # in an environment: each row's episode (the `env` reward reads it)
+            columns["episode"] = gen.episodes
         return RolloutBatch(
             gen=gen, group_ids=torch.arange(len(picked)).repeat_interleave(G),
             prompts=[x["prompt"] for x in picked for _ in range(G)], completions=completions,
-            columns={k: [x[k] for x in picked for _ in range(G)] for k in keys},
+            columns=columns,
             greedy=None if greedy is None else [self.tok.decode(x) for x in greedy for _ in range(G)],
             greedy_ids=None if greedy is None else [x for x in greedy for _ in range(G)], weight_version=version)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..rewards.runtime import RewardRuntime
+from .fed_rows import FedRows
 from .tool_formats import tool_format
 from .tools import CallRecord, ToolRunner, load_tools
 
@@ -38,6 +39,17 @@ class ToolUse:
 
     def close(self) -> None:
         self.runner.close()
+
+    def bind(self, rows: list[dict]) -> ToolUse:
+        """The tools for a rollout of these dataset rows: the same for every row."""
+        return self
+
+    def session(self, rows: int, max_new_tokens: int, device) -> ToolSession:
+        return ToolSession(self, rows, max_new_tokens, device)
+
+    def metrics(self, gen, gather=lambda t: t) -> dict[str, float]:
+        """A rollout's tools/* metrics (`tool_metrics`)."""
+        return tool_metrics(gen.tool_calls, list(self.runner.tools), gather)
 
 
 def build_tool_use(rollout_cfg, tokenizer, model_name: str = "the model",
@@ -65,32 +77,21 @@ def tool_metrics(calls: list[list[dict]], names: list[str], gather=lambda t: t) 
     return out
 
 
-class ToolSession:
+class ToolSession(FedRows):
     """One rollout's tool state, driven by `core.decode`: each row's queued result tokens, its calls so
     far and their records, and where its current stretch of writing began."""
 
     def __init__(self, tools: ToolUse, rows: int, max_new_tokens: int, device) -> None:
+        super().__init__(rows, device)
         self.tools = tools
         self.length = tools.max_completion_tokens or max_new_tokens   # positions: sampled + tool tokens
         self.triggers = torch.tensor(tools.format.triggers, dtype=torch.long, device=device)
-        self.queues: list[deque] = [deque() for _ in range(rows)]
-        self.seg_start = [0] * rows
         self.n_calls = [0] * rows
         self.records: list[list[dict]] = [[] for _ in range(rows)]
 
-    def feed(self, t: int, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
-        """Rows reading a tool's result take its next token instead of their sample, with log-prob 0
-        (`tok` and `lp` are changed in place); the (B,) mask of those rows."""
-        is_fed = torch.zeros(tok.size(0), dtype=torch.bool, device=tok.device)
-        fed = [i for i, q in enumerate(self.queues) if q]
-        if fed:
-            rows = torch.tensor(fed, device=tok.device)
-            tok[rows] = torch.tensor([self.queues[i].popleft() for i in fed], device=tok.device)
-            lp[rows] = 0.0
-            is_fed[rows] = True
-            for i in fed:
-                self.seg_start[i] = t + 1
-        return is_fed
+    def finish(self, out: torch.Tensor, end: torch.Tensor) -> dict:
+        """The Generation's fields this session adds: each row's calls."""
+        return {"tool_calls": self.records}
 
     def calls(self, t: int, out: torch.Tensor, tok: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Among `candidates` (rows that sampled position t with room left), those that ended a call:

@@ -13,6 +13,7 @@ from .. import distributed as dist
 from ..config import Config
 from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
 from ..data.math_answers import parse_completion
+from ..envs.reasoning_gym import extract_answer
 from ..rewards import get_reward
 from ..rewards.runtime import RewardRuntime
 from ..rollout.engine import sample
@@ -20,9 +21,11 @@ from ..rollout.keys import completion_keys
 
 EVAL_SALT = 0x65766C   # 'evl'
 
-def answer_key(completion: str, reward: str) -> str | None:
+def answer_key(completion: str, reward: str, reference: str | None = None) -> str | None:
     """What maj@k votes on: the completion's final answer as the eval reward reads it, numbers in
     canonical form ('0.5' for '#### 1/2' and for \\boxed{\\frac{1}{2}} alike)."""
+    if reward == "reasoning_gym":
+        return extract_answer(completion, reference)
     if reward != "math_accuracy":
         got = extract_hash_answer(completion)
         return format_number(got) if got is not None else None
@@ -57,15 +60,15 @@ def _decode(tokenizer, gen, calls: list | None = None) -> list[str]:
     return [tokenizer.decode(ids) for ids in gen.id_lists()]
 
 
-def _chunks(seq: list, size: int):
-    for i in range(0, len(seq), size):
-        yield seq[i:i + size]
-
-
-def _columns(rows: list[dict] | None, answers: list, reward: str, repeat: int) -> dict:
+def _columns(rows: list[dict] | None, answers: list, reward: str, repeat: int, episodes: list | None = None) -> dict:
     """What the correctness check is called with besides the completions: the answers, and for
-    code_exec the prompts and the rows' test columns; each repeated `repeat` times (k samples)."""
+    code_exec the prompts and the rows' test columns; each repeated `repeat` times (k samples). The `env`
+    check reads each completion's own episode."""
     rep = lambda xs: [x for x in xs for _ in range(repeat)]  # noqa: E731
+    if reward == "env":
+        return {"prompts": None, "episode": episodes}
+    if reward == "reasoning_gym" and rows is not None:
+        return {"prompts": None, "answer": rep(answers), "reasoning_gym": rep([r.get("reasoning_gym") for r in rows])}
     if reward != "code_exec" or rows is None:
         return {"prompts": None, "answer": rep(answers)}
     keys = ("test", "entry_point", "test_cases", "answer")
@@ -74,7 +77,7 @@ def _columns(rows: list[dict] | None, answers: list, reward: str, repeat: int) -
 
 def score_samples(greedy: list[str], samples: list[str], answers: list[str | int | float], k: int,
                   reward: str = "gsm8k_accuracy", rows: list[dict] | None = None,
-                  runtime: RewardRuntime | None = None) -> tuple[dict, list[bool]]:
+                  runtime: RewardRuntime | None = None, episodes: dict | None = None) -> tuple[dict, list[bool]]:
     """Metrics of given completions: greedy accuracy and, when k > 1 (`samples` holds k per
     problem, in order), pass@1..k and maj@k. Returns (metrics, per-problem greedy correctness).
 
@@ -88,18 +91,19 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
     if reward == "code_exec":
         check = functools.partial(check, runtime=runtime)
     n = len(answers)
-    greedy_ok = [v == 1.0 for v in check(completions=greedy, **_columns(rows, answers, reward, 1))]
+    eps = episodes or {}
+    greedy_ok = [v == 1.0 for v in check(completions=greedy, **_columns(rows, answers, reward, 1, eps.get("greedy")))]
     out = {"greedy_accuracy": sum(greedy_ok) / n}
     if k > 1:
-        ok = [v == 1.0 for v in check(completions=samples, **_columns(rows, answers, reward, k))]
+        ok = [v == 1.0 for v in check(completions=samples, **_columns(rows, answers, reward, k, eps.get("samples")))]
         correct = [int(sum(ok[i * k:(i + 1) * k])) for i in range(n)]
         for j in sorted({1, k} | {x for x in (2, 4) if x < k}):
             out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / n
-        if reward == "code_exec":
+        if reward in ("code_exec", "env"):   # no final answer to vote on
             return out, greedy_ok
         maj = 0
         for i in range(n):
-            keys = [answer_key(s, reward) for s in samples[i * k:(i + 1) * k]]
+            keys = [answer_key(s, reward, str(answers[i])) for s in samples[i * k:(i + 1) * k]]
             votes = Counter(a for a in keys if a is not None)
             if votes:
                 top = votes.most_common(1)[0][0]   # Counter keeps first-seen order among equal counts
@@ -125,14 +129,18 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     """
     row_ids = list(range(len(rows))) if row_ids is None else list(row_ids)
     prompts = [tokenizer.render_prompt(r["prompt"]) for r in rows]
-    answers = [r["answer"] for r in rows]
+    answers = [r.get("answer") for r in rows]
     stop = tokenizer.stop_ids
     greedy: list[str] = []
     calls: list[list[dict]] = []
-    for chunk in _chunks(prompts, batch_size):
-        greedy += _decode(tokenizer, sample(model, chunk, engine=engine, num_generations=1,
-                                            max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stop,
-                                            pad_id=tokenizer.pad_id, tools=tools), calls)
+    episodes: dict[str, list] = {"greedy": [], "samples": []}   # in an environment: each completion's episode
+    bind = (lambda lo, hi: None) if tools is None else (lambda lo, hi: tools.bind(rows[lo:hi]))  # noqa: E731
+    for lo in range(0, len(prompts), batch_size):
+        gen = sample(model, prompts[lo:lo + batch_size], engine=engine, num_generations=1,
+                     max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id,
+                     tools=bind(lo, lo + batch_size))
+        greedy += _decode(tokenizer, gen, calls)
+        episodes["greedy"] += gen.episodes or []
     samples: list[str] = []
     if k > 1:
         per = max(1, batch_size // k)
@@ -141,15 +149,20 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
             ids = torch.tensor(row_ids[start:start + per], dtype=torch.long)
             # salted: eval samples never share keys with the training rollouts of the same seed
             keys = completion_keys(seed ^ EVAL_SALT, ids.repeat_interleave(k), torch.arange(k).repeat(len(chunk)))
-            samples += _decode(tokenizer, sample(model, chunk, engine=engine, num_generations=k,
-                                                 max_new_tokens=max_new_tokens, temperature=temperature,
-                                                 stop_ids=stop, pad_id=tokenizer.pad_id, keys=keys, tools=tools))
-    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows, runtime)
-    if tools is not None:
+            gen = sample(model, chunk, engine=engine, num_generations=k, max_new_tokens=max_new_tokens,
+                         temperature=temperature, stop_ids=stop, pad_id=tokenizer.pad_id, keys=keys,
+                         tools=bind(start, start + per))
+            samples += _decode(tokenizer, gen)
+            episodes["samples"] += gen.episodes or []
+    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows, runtime, episodes)
+    if calls:
         out["tool_calls_per_completion"] = sum(map(len, calls)) / max(1, len(calls))
-    out["samples"] = [{"prompt": r["prompt"], "answer": r["answer"], "greedy": g, "greedy_correct": bool(ok_),
-                       **({"greedy_tool_calls": calls[i]} if tools is not None else {}),
-                       **({"samples": samples[i * k:(i + 1) * k]} if samples else {})}
+    eg, es = episodes["greedy"], episodes["samples"]
+    out["samples"] = [{"prompt": r["prompt"], "answer": r.get("answer"), "greedy": g, "greedy_correct": bool(ok_),
+                       **({"greedy_tool_calls": calls[i]} if calls else {}),
+                       **({"greedy_episode": eg[i]} if eg else {}),
+                       **({"samples": samples[i * k:(i + 1) * k]} if samples else {}),
+                       **({"sample_episodes": es[i * k:(i + 1) * k]} if es else {})}
                       for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]
     return out
 
@@ -170,8 +183,10 @@ def evaluate_ranks(model, tokenizer, rows: list[dict], cfg: Config, world: dist.
         return res
     recs = dist.unstride(dist.gather_objects(samples))   # every problem's record, in problem order
     k = len(recs[0].get("samples", [])) or 1
+    episodes = {"greedy": [r.get("greedy_episode") for r in recs],
+                "samples": [x for r in recs for x in r.get("sample_episodes", [])]}
     out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
-                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)], runtime)
-    if tools is not None:
+                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)], runtime, episodes)
+    if "greedy_tool_calls" in recs[0]:
         out["tool_calls_per_completion"] = sum(len(r["greedy_tool_calls"]) for r in recs) / len(recs)
     return out

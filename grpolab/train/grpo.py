@@ -34,6 +34,7 @@ from ..rewards.combine import TrainerState, check_signatures
 from ..rewards.intrinsic import PolicyView
 from ..rewards.runtime import RewardRuntime
 from ..rollout.batch import RolloutBatch
+from ..rollout.env_decode import build_env_use
 from ..rollout.prompt_feed import PromptFeed
 from ..rollout.sources import make_source
 from ..rollout.tool_decode import build_tool_use
@@ -93,7 +94,9 @@ class GRPOTrainer(Trainer):
         # rollout.tools: calls inside rollouts and eval (rollout/tool_decode.py); None without tools
         # reward.timeout and reward.code_exec's sandbox, for the reward calls and the python tool
         self.runtime = RewardRuntime.from_config(cfg.reward)
-        self.tools = build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path, self.runtime)
+        # or env.name: each rollout row an episode in the environment (rollout/env_decode.py); the two never mix
+        self.tools = (build_tool_use(cfg.rollout, tokenizer, cfg.model.name_or_path, self.runtime)
+                      or build_env_use(cfg, tokenizer, cfg.model.name_or_path))
         check_signatures(cfg.reward.functions, list(train_rows[0]) if train_rows else [], rows=train_rows,
                          source=cfg.data.train_path or f"data.task={cfg.data.task}")
         self.feed = PromptFeed(train_rows, tokenizer, cfg.rollout, cfg.train.seed, self.plan.estimator.greedy)

@@ -11,7 +11,6 @@ import torch
 from .. import distributed as dist
 from ..rewards.combine import number_mean
 from ..rollout.batch import RolloutBatch
-from ..rollout.tool_decode import tool_metrics
 from .batch_advantages import scorable
 
 # the rollout sources' metrics in the order the rows have always had them; others follow
@@ -69,7 +68,7 @@ def step_metrics(step: int, batch: RolloutBatch, stats: dict, update: dict, kl: 
     metrics["completions/mean_length"] = float(lengths.mean())
     metrics["completions/clipped_ratio"] = float(glob(batch.gen.truncated.float().cpu()).mean())
     if tools is not None:
-        metrics.update(tool_metrics(batch.gen.tool_calls, list(tools.runner.tools), glob))
+        metrics.update(tools.metrics(batch.gen, glob))
     # the rollout source's own: time/generate, and e.g. async/*, time/rollout_wait, time/weight_sync
     source = {k: v for k, v in stats.items() if k.startswith(("time/", "async/")) and k != "time/reward"}
     metrics.update(sorted(source.items(), key=lambda kv: SOURCE_ORDER.index(kv[0]) if kv[0] in SOURCE_ORDER

@@ -1,0 +1,124 @@
+"""reasoning-gym's procedural tasks as grpolab rows, scored by each task's own `score_answer`.
+
+    data.task: reasoning_gym:<name>          e.g. reasoning_gym:basic_arithmetic
+    data.task_config: {num_terms: 2, ...}    the dataset's config fields (its difficulty knobs)
+
+A row: {"prompt": [system, user question], "answer": the entry's answer, "reasoning_gym": the entry}. The
+system prompt is reasoning-gym's own default (think, then the answer inside <answer></answer>) unless
+data.system_prompt is set. The `reasoning_gym` reward reads the last <answer>...</answer> of a completion (without
+tags, for a numeric reference, its last number) and scores it with the row's dataset scorer (partial credit where
+the task gives it). The package is an extra: `pip install 'grpolab[envs]'`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..data.answers import format_number, last_number, parse_number, plain_number
+from ..errors import ConfigError, DataError
+
+TASK_PREFIX = "reasoning_gym:"
+# a test split drawn with this seed offset from train.seed, its questions seen in train dropped
+TEST_SEED_OFFSET = 1_000_003
+ANSWER = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+
+
+def _package():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError("data.task: reasoning_gym tasks need the reasoning-gym package; "
+                          "pip install 'grpolab[envs]'") from None
+    return reasoning_gym
+
+
+def task_name(task: str) -> str:
+    """'reasoning_gym:<name>' -> '<name>'."""
+    return task[len(TASK_PREFIX):]
+
+
+def check_task(task: str, config: dict) -> None:
+    """ConfigError in one line for an unknown dataset name or a config field it does not have."""
+    rg = _package()
+    name = task_name(task)
+    known = rg.factory.DATASETS
+    if name not in known:
+        raise ConfigError(f"data.task: reasoning-gym has no dataset {name!r}; e.g. "
+                          f"{', '.join(sorted(known)[:8])}, ... ({len(known)} in all)")
+    fields = set(getattr(known[name][1], "__dataclass_fields__", {}))
+    unknown = sorted(set(config) - fields - {"size", "seed"})
+    if unknown:
+        raise ConfigError(f"data.task_config: {name} has no field {unknown[0]!r}; its fields: "
+                          f"{', '.join(sorted(fields - {'size', 'seed'}))}")
+
+
+def _entries(name: str, size: int, seed: int, config: dict) -> list[dict]:
+    rg = _package()
+    try:
+        data = rg.create_dataset(name, size=size, seed=seed, **config)
+        return [data[i] for i in range(size)]
+    except (AssertionError, ValueError, TypeError) as e:   # its config checks
+        raise ConfigError(f"data.task_config: reasoning-gym's {name} refused its config: {e}") from None
+
+
+def load_rows(task: str, config: dict, train_size: int, test_size: int, seed: int,
+              system_prompt: str | None) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows): `train_size` entries drawn with `seed`, `test_size` with another seed whose
+    questions also in train are dropped (held out, not memorised)."""
+    check_task(task, config)
+    name = task_name(task)
+    system = system_prompt if system_prompt is not None else _package().utils.SYSTEM_PROMPTS["default"]
+    train = _entries(name, train_size, seed, config)
+    seen = {e["question"] for e in train}
+    test = [e for e in _entries(name, test_size, seed + TEST_SEED_OFFSET, config) if e["question"] not in seen]
+    if train_size and not train:
+        raise DataError(f"data.task={task}: the dataset gave no rows")
+    return [_row(e, system, name) for e in train], [_row(e, system, name) for e in test]
+
+
+def _row(entry: dict, system: str, name: str) -> dict:
+    prompt = [{"role": "user", "content": entry["question"]}]
+    if system:
+        prompt = [{"role": "system", "content": system}] + prompt
+    return {"prompt": prompt, "answer": str(entry["answer"]), "reasoning_gym": {**entry, "dataset": name}}
+
+
+def extract_answer(completion: str, reference: str | None = None) -> str | None:
+    """The text inside the completion's last <answer>...</answer>, stripped. Without the tags, when the
+    `reference` is a number, the completion's last number (as GSM8K rewards read one: a small model rarely
+    writes the tags); else None."""
+    found = ANSWER.findall(completion)
+    if found:
+        return found[-1].strip()
+    if reference is None or parse_number(str(reference)) is None or plain_number(str(reference)) is None:
+        return None
+    value = last_number(completion)
+    return None if value is None else format_number(value)
+
+
+def _text(completion) -> str:
+    """A completion as text: a string, or a one-message assistant turn."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+_SCORERS: dict[str, object] = {}
+
+
+def scorer(name: str):
+    """The dataset's score_answer(answer, entry) -> float in [0, 1] (made once per dataset)."""
+    if name not in _SCORERS:
+        _SCORERS[name] = _package().get_score_answer_fn(name)
+    return _SCORERS[name]
+
+
+def reasoning_gym(completions: list, reasoning_gym: list[dict], **_) -> list[float | None]:
+    """The row's reasoning-gym scorer on the completion's last <answer>: 1.0 right, 0.0 wrong or no answer,
+    partial credit where the task gives it; None for rows that are not reasoning-gym's."""
+    out: list[float | None] = []
+    for completion, entry in zip(completions, reasoning_gym):
+        if not isinstance(entry, dict) or "dataset" not in entry:
+            out.append(None)
+            continue
+        answer = extract_answer(_text(completion), str(entry["answer"]))
+        out.append(0.0 if answer is None else float(scorer(entry["dataset"])(answer, entry)))
+    return out

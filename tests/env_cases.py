@@ -26,6 +26,13 @@ class Guess(Environment):
         return Reply([{"role": "user", "content": hint}], 0.1 if m else 0.0, False)
 
 
+class Again(Guess):
+    """Never won: every turn is answered 'again'."""
+
+    def step(self, text):
+        return Reply([{"role": "user", "content": "again"}], 0.0, False)
+
+
 class Raises(Guess):
     def step(self, text):
         raise ValueError("the board is on fire")

@@ -150,10 +150,23 @@ def test_an_episode_ends_at_its_turn_limit_and_its_reward_is_the_sum(game_model)
         assert e["done"] == (e["rewards"][-1] == 1.0)
 
 
+def test_a_reply_with_no_room_left_ends_the_episode_there(game_model):
+    """Room for the first turn and not for a reply after it: every episode the first turn did not win ends
+    `cut` after one turn, nothing appended; with room, the same episodes go on."""
+    model, tok, _ = game_model
+    reply = len(TurnRenderer(tok).render([{"role": "user", "content": "again"}]))
+    gen, _ = _episodes(model, tok, env=env_cases.Again, max_tokens=reply + 2)   # fits an empty episode only
+    assert all(n >= 2 for n in gen.completion_mask.sum(-1).tolist())   # a number and the end of the turn ...
+    assert all(e["cut"] and e["turns"] == 1 for e in gen.episodes)     # ... leave no room for the reply
+    assert not bool(gen.tool_mask.any())
+    roomy, _ = _episodes(model, tok, env=env_cases.Again, max_tokens=200)
+    assert all(not e["cut"] and e["turns"] == 3 for e in roomy.episodes) and bool(roomy.tool_mask.any())
+
+
 @pytest.mark.parametrize("env, says", [
     (env_cases.Raises, "raised ValueError: the board is on fire"),
     (env_cases.NaNReward, "the reward is nan, not a finite number"),
-    (env_cases.LongReply, "raise rollout.max_completion_tokens or shorten the environment's replies"),
+    (env_cases.LongReply, "more than the whole episode's rollout.max_completion_tokens=60 leaves"),
     (env_cases.Hangs, "no answer within env.timeout=1s"),
 ])
 def test_a_broken_environment_stops_the_rollout_with_one_line(game_model, env, says):

@@ -24,4 +24,4 @@ DISTILL_KL: tuple[str, ...] = ("forward", "reverse")
 # spec with a ':' (rm:, judge:, verl:, package.module:function, path/to/file.py:function)
 REWARDS: tuple[str, ...] = ("gsm8k_accuracy", "format", "math_accuracy", "think_format", "boxed_format", "length",
                             "code_exec", "self_certainty", "token_entropy", "trajectory_logprob", "rlpr",
-                            "reasoning_gym", "env")
+                            "reasoning_gym", "verifiers", "env")

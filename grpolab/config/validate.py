@@ -195,23 +195,28 @@ def _data(cfg: Config) -> None:
     """data.*: a known task (files needs a path), prompt length policy, sizes and the arithmetic task's
     difficulty in range."""
     d = cfg.data
-    need(d.task in DATA_TASKS or (d.task.startswith("reasoning_gym:") and len(d.task) > len("reasoning_gym:")),
-         f"data.task: {d.task!r} is not one of {', '.join(DATA_TASKS)} or reasoning_gym:<dataset name>")
-    need(not d.task.startswith("reasoning_gym:") or "gsm8k_accuracy" not in cfg.reward.functions,
-         f"reward.functions: data.task={d.task} is scored by its own checker; set reward.functions=[reasoning_gym] "
-         f"(gsm8k_accuracy reads '#### <number>' answers)")
-    need(not d.task_config or d.task.startswith("reasoning_gym:"),
-         f"data.task_config: configures a reasoning_gym:<name> task, not data.task={d.task}")
+    named = d.task.startswith(("reasoning_gym:", "verifiers:")) and bool(d.task.partition(":")[2])
+    need(d.task in DATA_TASKS or named, f"data.task: {d.task!r} is not one of {', '.join(DATA_TASKS)}, "
+         f"reasoning_gym:<dataset name> or verifiers:<taskset id>")
+    need(not named or "gsm8k_accuracy" not in cfg.reward.functions,
+         f"reward.functions: data.task={d.task} is scored by its own checker; set reward.functions="
+         f"[{d.task.partition(':')[0]}] (gsm8k_accuracy reads '#### <number>' answers)")
+    need(d.task != "env" or cfg.env.name is not None, "data.task: env makes its rows from env.name's first "
+         "observations; set env.name")
+    need(not d.task_config or named,
+         f"data.task_config: configures a reasoning_gym:<name> or verifiers:<id> task, not data.task={d.task}")
     need(d.task != "files" or bool(d.train_path), "data.train_path: data.task=files needs a dataset path or name")
     for key in ("train_path", "test_path"):   # the generated tasks read no file: a path there was ignored
-        need(d.task not in ("arithmetic", "pyfunc") and not d.task.startswith("reasoning_gym:") or not getattr(d, key),
+        generated = d.task in ("arithmetic", "pyfunc", "env") or named
+        need(not generated or not getattr(d, key),
              f"data.{key}: data.task={d.task} generates its rows and reads no file; set data.task=files (or gsm8k) "
              f"to use {getattr(d, key)!r}")
     need(d.val_size >= 0 and math.isfinite(d.val_size), "data.val_size: must be >= 0 (a share below 1, or rows)")
     need(d.val_size < 1 or d.val_size == int(d.val_size),
          f"data.val_size: {d.val_size:g} is neither a share below 1 nor a whole number of rows")
-    need(not d.val_size or (d.task in ("files", "gsm8k") and not d.test_path),
-         "data.val_size: holds out part of data.train_path (data.task=files or gsm8k) when data.test_path is not set")
+    need(not d.val_size or (d.task in ("files", "gsm8k") or d.task.startswith("verifiers:")) and not d.test_path,
+         "data.val_size: holds out part of data.train_path (data.task=files or gsm8k) or of a verifiers taskset, when "
+         "data.test_path is not set")
     need(d.max_prompt_length >= 0, "data.max_prompt_length: must be >= 0 (0 = no limit)")
     _choice("data.on_long_prompt", d.on_long_prompt, ("drop", "error"))
     for name in ("prompt_key", "response_key", "chosen_key", "rejected_key"):
@@ -514,8 +519,8 @@ def _eval(cfg: Config) -> None:
 
 
 # the correctness checks the held-out eval can score with (a completion is right when its check gives 1.0)
-EVAL_CHECKS = ("gsm8k_accuracy", "math_accuracy", "code_exec", "reasoning_gym", "env")
-DATA_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files")
+EVAL_CHECKS = ("gsm8k_accuracy", "math_accuracy", "code_exec", "reasoning_gym", "verifiers", "env")
+DATA_TASKS = ("arithmetic", "gsm8k", "pyfunc", "humaneval", "files", "env")
 
 
 def eval_check(cfg: Config) -> str:
@@ -527,8 +532,8 @@ def eval_check(cfg: Config) -> str:
         return cfg.eval.reward
     if cfg.env.name is not None:   # the episode's reward (1.0: solved)
         return "env"
-    if cfg.data.task.startswith("reasoning_gym:"):   # the task's own scorer
-        return "reasoning_gym"
+    if cfg.data.task.startswith(("reasoning_gym:", "verifiers:")):   # the task's own scorer
+        return cfg.data.task.partition(":")[0]
     return next((f for f in cfg.reward.functions if f in EVAL_CHECKS), "gsm8k_accuracy")
 
 

@@ -13,7 +13,8 @@ from ..data.loading import filter_long_prompts, normalize_rows, read_records
 from ..data.tasks import arithmetic, pyfunc
 from ..data.tasks.gsm8k import load_gsm8k
 from ..data.tasks.humaneval import load_humaneval
-from ..envs import reasoning_gym
+from ..envs import reasoning_gym, verifiers_env
+from ..envs.load import env_rows
 from ..errors import DataError
 from ..models import CharTokenizer, build_builtin
 from ..models.checkpoint import load_model
@@ -65,6 +66,17 @@ def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dic
         # the suffix and system prompt apply to GSM8K as to any dataset
         train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
                                       source=source) if r else r for r in (train, test))   # (no test split)
+    elif d.task == "env":   # the environment's first observations, one row per seed; test seeds far from train's
+        train = env_rows(cfg.env.name, d.train_size, cfg.train.seed, d.system_prompt)
+        test = env_rows(cfg.env.name, d.test_size if with_test and cfg.eval.num_problems else 0,
+                        cfg.train.seed + reasoning_gym.TEST_SEED_OFFSET, d.system_prompt)
+    elif d.task.startswith(verifiers_env.TASK_PREFIX):   # one list of tasks: the test rows are data.val_size of it
+        train, test = verifiers_env.load_rows(d.task, d.task_config, d.system_prompt), []
+        if d.val_size:
+            train, test = hold_out(train, d.val_size, cfg.train.seed)
+        elif with_test and cfg.eval.num_problems:
+            raise DataError(f"data.task={d.task}: a taskset is one list of tasks, so it has no test split for the "
+                            f"held-out eval: hold out part of it with data.val_size, or eval.num_problems=0")
     elif d.task.startswith(reasoning_gym.TASK_PREFIX):   # generated: a train and a held-out split of its own
         train, test = reasoning_gym.load_rows(d.task, d.task_config, d.train_size, d.test_size, cfg.train.seed,
                                               d.system_prompt)
@@ -83,12 +95,14 @@ def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dic
 
 # verl's name for a dataset, for rows without their own data_source column: verl-style rewards
 # dispatch on it (verl's default_compute_score knows 'openai/gsm8k')
-DATA_SOURCES = {"arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k", "pyfunc": "grpolab/pyfunc",
+DATA_SOURCES = {"env": "grpolab/env", "arithmetic": "grpolab/arithmetic", "gsm8k": "openai/gsm8k",
+                "pyfunc": "grpolab/pyfunc",
                 "humaneval": "openai/openai_humaneval"}
 
 
 def _with_data_source(rows: list[dict], d) -> list[dict]:
-    source = DATA_SOURCES.get(d.task, d.task if d.task.startswith(reasoning_gym.TASK_PREFIX) else d.train_path)
+    named = d.task.startswith((reasoning_gym.TASK_PREFIX, verifiers_env.TASK_PREFIX))
+    source = DATA_SOURCES.get(d.task, d.task if named else d.train_path)
     return [r if "data_source" in r else {**r, "data_source": source} for r in rows]
 
 

@@ -21,6 +21,7 @@ import re
 from typing import Callable
 
 from ..envs.reasoning_gym import reasoning_gym
+from ..envs.verifiers_env import verifiers
 from ..errors import RewardError, UnknownRewardError
 from . import length as _length
 from .accuracy import gsm8k_accuracy, math_accuracy
@@ -52,6 +53,8 @@ REWARDS: dict[str, RewardFn] = {
     "rlpr": rlpr,
     # a reasoning-gym row's own scorer on the completion's <answer> (envs/reasoning_gym.py)
     "reasoning_gym": reasoning_gym,
+    # a verifiers task's own rubric on the completion (envs/verifiers_env.py)
+    "verifiers": verifiers,
     # an episode's summed step rewards from its environment (env.name; rollout/env_decode.py)
     "env": env,
 }

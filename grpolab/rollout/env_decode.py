@@ -10,9 +10,10 @@ trainer scores are the tokens sampled, the reply's tokens sit where the model re
 
 An episode ends when the environment says done, after env.max_turns turns, or at the episode's token budget
 (rollout.max_completion_tokens: sampled and reply tokens; the model's own tokens also stop at
-rollout.max_new_tokens). A turn cut by the budget is still stepped, so every turn the model wrote is scored. A
-reply that does not fit in what is left of the budget stops the run with one line, as does an environment
-that raises, hangs or returns a malformed reply or a non-finite reward.
+rollout.max_new_tokens): a turn cut by the budget is still stepped, so every turn the model wrote is scored, and
+a reply with no room left after it ends the episode there (its record says `cut`). A reply longer than the whole
+budget stops the run with one line (no episode could hold it), as does an environment that raises, hangs or
+returns a malformed reply or a non-finite reward.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ class EnvUse:
 
     def metrics(self, gen, gather=lambda t: t) -> dict[str, float]:
         """env/turns (per episode), env/done (share the environment ended, not the turn or token limit),
-        env/reply_tokens (the environment's tokens per episode)."""
+        env/cut (share the token budget ended), env/reply_tokens (the environment's tokens per episode)."""
         turns = gather(torch.tensor([float(e["turns"]) for e in gen.episodes]))
         done = gather(torch.tensor([float(e["done"]) for e in gen.episodes]))
+        cut = gather(torch.tensor([float(e["cut"]) for e in gen.episodes]))
         replies = gather(gen.tool_mask.sum(-1).float().cpu())
-        return {"env/turns": float(turns.mean()), "env/done": float(done.mean()),
+        return {"env/turns": float(turns.mean()), "env/done": float(done.mean()), "env/cut": float(cut.mean()),
                 "env/reply_tokens": float(replies.mean())}
 
 
@@ -91,7 +93,8 @@ class EpisodeSession(FedRows):
         self.envs = self._run("reset", [(i, None) for i in range(rows)])
         self.turns = [0] * rows
         self.rewards: list[list[float]] = [[] for _ in range(rows)]
-        self.over = [False] * rows            # done, or out of turns
+        self.over = [False] * rows            # done, out of turns, or out of tokens
+        self.cut = [False] * rows             # ended by the token budget
         self.stepped_to = [0] * rows          # positions up to here have been stepped
 
     def calls(self, t: int, out: torch.Tensor, tok: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -103,11 +106,14 @@ class EpisodeSession(FedRows):
             if self.over[i]:
                 continue
             ids = self.use.renderer.render(reply.messages)
-            if t + 1 + len(ids) >= self.length:
+            if len(ids) + 1 >= self.length:   # no episode could hold it: the environment and the budget disagree
                 raise EnvError(f"environment {self.use.name}: episode {i}'s reply after turn {self.turns[i]} is "
-                               f"{len(ids)} tokens, and only {self.length - t - 2} of the episode's "
-                               f"rollout.max_completion_tokens={self.length} are left for it and the next turn; "
-                               f"raise rollout.max_completion_tokens or shorten the environment's replies")
+                               f"{len(ids)} tokens, more than the whole episode's rollout.max_completion_tokens="
+                               f"{self.length} leaves for a reply and a turn; raise rollout.max_completion_tokens "
+                               f"or shorten the environment's replies")
+            if t + 1 + len(ids) >= self.length:   # no room left for it and a next turn: the episode ends here
+                self.over[i] = self.cut[i] = True
+                continue
             self.queues[i].extend(ids)
             goes_on[i] = True
         return goes_on
@@ -122,7 +128,8 @@ class EpisodeSession(FedRows):
         for e in self.envs:
             e.close()
         return {"episodes": [{"turns": self.turns[i], "rewards": list(self.rewards[i]), "reward": sum(self.rewards[i]),
-                              "done": self.said_done[i]}
+                              "done": self.said_done[i],
+                              "cut": self.cut[i]}
                              for i in range(len(self.envs))]}
 
     def _step(self, out: torch.Tensor, ends: list[tuple[int, int]]) -> list[tuple[int, Reply]]:

@@ -67,8 +67,9 @@ def _columns(rows: list[dict] | None, answers: list, reward: str, repeat: int, e
     rep = lambda xs: [x for x in xs for _ in range(repeat)]  # noqa: E731
     if reward == "env":
         return {"prompts": None, "episode": episodes}
-    if reward == "reasoning_gym" and rows is not None:
-        return {"prompts": None, "answer": rep(answers), "reasoning_gym": rep([r.get("reasoning_gym") for r in rows])}
+    if reward in ("reasoning_gym", "verifiers") and rows is not None:   # the row's own task scores it
+        return {"prompts": rep([r["prompt"] for r in rows]), "answer": rep(answers),
+                reward: rep([r.get(reward) for r in rows])}
     if reward != "code_exec" or rows is None:
         return {"prompts": None, "answer": rep(answers)}
     keys = ("test", "entry_point", "test_cases", "answer")

@@ -33,6 +33,8 @@ def sample_records(b: RolloutBatch, step: int, n: int, name: Callable[[str], str
                         "reward": float(b.rewards[i]), "rewards": rewards, "advantage": row_advantage(b, i)})
         if b.gen.tool_calls is not None:
             records[-1]["tool_calls"] = b.gen.tool_calls[i]
+        if b.gen.episodes is not None:   # in an environment: its turns and rewards
+            records[-1]["episode"] = b.gen.episodes[i]
         if b.logged:   # what reward functions logged for this sample (log_extra, dict returns)
             records[-1]["logged"] = {k: v[i] for k, v in b.logged.items()}
     return records

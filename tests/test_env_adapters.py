@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, _free_port, run_cli, wait_healthy
+from conftest import _free_port, run_cli, wait_healthy
 from test_envs import _segments, game_model  # noqa: F401 - the tiny chat model that plays guessing games
 
 from grpolab.config.load import load_config

@@ -265,8 +265,8 @@ class RolloutConfig:
 class EnvConfig:
     name: str | None = option(None, "an environment the model talks to between turns (docs/environments.md): "
                                     "'module:make_env' / 'file.py:make_env' (a factory of grpolab Environments, "
-                                    "optionally called with literal arguments), 'verifiers:<module:object or "
-                                    "environment id>', 'openenv:<base url>'; null = single-turn completions")
+                                    "optionally called with literal arguments), 'openenv:<base url>' (an OpenEnv "
+                                    "server), 'textarena:<game id>'; null = single-turn completions")
     max_turns: int = option(4, "model turns per episode; the episode ends after this many, or when the environment "
                                "says done, or at rollout.max_completion_tokens (sampled and reply tokens)")
     timeout: float = option(30.0, "seconds an environment's reset or step may take; past it the run stops with "

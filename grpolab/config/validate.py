@@ -270,7 +270,7 @@ def _env(cfg: Config) -> None:
     if e.name is None:
         return
     need(isinstance(e.name, str) and ":" in e.name, f"env.name: {e.name!r} is not 'module:make_env', "
-         f"'file.py:make_env', 'verifiers:<env>' or 'openenv:<url>'")
+         f"'file.py:make_env', 'openenv:<url>' or 'textarena:<game id>'")
     need(e.max_turns >= 1, "env.max_turns: must be >= 1")
     need(e.timeout > 0, "env.timeout: must be > 0 seconds")
     need(not r.tools, "env.name: an environment's episodes and rollout.tools do not mix yet; give the tools to the "

@@ -128,9 +128,7 @@ class EpisodeSession(FedRows):
         for e in self.envs:
             e.close()
         return {"episodes": [{"turns": self.turns[i], "rewards": list(self.rewards[i]), "reward": sum(self.rewards[i]),
-                              "done": self.said_done[i],
-                              "cut": self.cut[i]}
-                             for i in range(len(self.envs))]}
+                              "done": self.said_done[i], "cut": self.cut[i]} for i in range(len(self.envs))]}
 
     def _step(self, out: torch.Tensor, ends: list[tuple[int, int]]) -> list[tuple[int, Reply]]:
         """Step the rows' turns (row, end position) together; the replies, each row's state updated."""

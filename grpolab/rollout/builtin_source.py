@@ -10,6 +10,7 @@ from ..distributed import World
 from ..errors import NonFiniteLogits
 from ..monitor.console import Console, StepProgress
 from .engine import sample
+from .generation import Generation
 from .prompt_feed import PromptFeed, Request, rank_share
 from .source import RolloutSource, Taken, diverged
 
@@ -35,12 +36,16 @@ class BuiltinSource(RolloutSource):
         tools = None if self.tools is None else self.tools.bind([self.feed.rows[i] for i in req.rows])
         try:
             with self.full_weights(self.model):   # sharded: gathered once for the whole decode
-                gens = [sample(self.model, c.pop("prompts"), tools=tools, on_tokens=count if i == 0 else None, **c)
+                gens = [self.sample(c.pop("prompts"), tools=tools, on_tokens=count if i == 0 else None, **c)
                         for i, c in enumerate(self.feed.calls(req))]
         except NonFiniteLogits:
             raise diverged(step) from None
         batch = self.feed.batch(req.rows, gens, step)
         return Taken(batch, req.epoch, {"time/generate": time.perf_counter() - t0})
+
+    def sample(self, prompts: list[list[int]], *, tools=None, **kw) -> Generation:
+        """One engine call (vllm_source.VLLMSource samples with vLLM instead); `tools`: bound to the rows."""
+        return sample(self.model, prompts, tools=tools, **kw)
 
     def _count_tokens(self, n: int) -> None:
         self.progress.add(tokens=n)

@@ -48,7 +48,8 @@ class VLLMSource(BuiltinSource):
         taken.metrics["time/weight_sync"] = self.sync_s   # (inside time/generate)
         return taken
 
-    def sample(self, prompts: list[list[int]], *, on_tokens=None, **kw) -> Generation:
+    def sample(self, prompts: list[list[int]], *, tools=None, on_tokens=None, **kw) -> Generation:
+        """(vLLM runs no tools or environments: config validation refuses them with rollout.engine=vllm)"""
         self.sync_s += self._sync(self.version)
         return self.engine.generate(prompts, **kw)
 

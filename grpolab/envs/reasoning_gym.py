@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from ..data.answers import format_number, last_number, parse_number, plain_number
+from ..data.answers import format_number, last_number, plain_number
 from ..errors import ConfigError, DataError
 
 TASK_PREFIX = "reasoning_gym:"
@@ -90,7 +90,7 @@ def extract_answer(completion: str, reference: str | None = None) -> str | None:
     found = ANSWER.findall(completion)
     if found:
         return found[-1].strip()
-    if reference is None or parse_number(str(reference)) is None or plain_number(str(reference)) is None:
+    if reference is None or plain_number(str(reference)) is None:
         return None
     value = last_number(completion)
     return None if value is None else format_number(value)

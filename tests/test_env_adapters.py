@@ -20,10 +20,11 @@ from grpolab.envs import reasoning_gym as rg_adapter
 from grpolab.envs.openenv_env import OpenEnvEnvironment, observation_text
 from grpolab.envs.textarena_env import TextArenaEnvironment
 from grpolab.envs.turns import TurnRenderer
-from grpolab.envs.verifiers_env import load_rows, verifiers
+from grpolab.envs.verifiers_env import load_rows
 from grpolab.errors import ConfigError, EnvError
 from grpolab.jobs.inputs import load_data
 from grpolab.rewards import get_reward
+from grpolab.rewards.task_packages import verifiers
 from grpolab.rollout.engine import generate
 from grpolab.rollout.env_decode import EnvUse
 from grpolab.rollout.keys import completion_keys

@@ -177,6 +177,33 @@ def test_a_broken_environment_stops_the_rollout_with_one_line(game_model, env, s
     assert str(e.value).startswith("environment test: episode ")
 
 
+TURN = "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+GEN = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+BROKEN_TEMPLATES = {   # each fails one of the start-up checks a reply's rendering depends on
+    "rewriting the turns": "{{ messages | length }}{% for m in messages %}" + TURN + "{% endfor %}" + GEN,
+    "drops an environment's reply": "{% for m in messages %}{% if loop.index < 3 %}" + TURN + "{% endif %}"
+                                    "{% endfor %}" + GEN,
+    "does not end an assistant turn with a stop token": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                                                        "{{ m['content'] }}\n\n{% endfor %}" + GEN,
+    "does not open an assistant turn": "{% for m in messages %}" + TURN + "{% endfor %}"
+                                       "{% if add_generation_prompt and messages | length < 3 %}"
+                                       "<|im_start|>assistant\n{% endif %}",
+}
+
+
+@pytest.mark.parametrize("why", list(BROKEN_TEMPLATES))
+def test_a_template_that_cannot_carry_replies_is_refused_at_start_up(game_model, why):
+    _, tok, _ = game_model
+    kept = tok.tok.chat_template
+    tok.tok.chat_template = BROKEN_TEMPLATES[why]
+    try:
+        with pytest.raises(ConfigError, match=why) as e:
+            TurnRenderer(tok, "my-model")
+    finally:
+        tok.tok.chat_template = kept
+    assert str(e.value).startswith("env.name: the chat template of my-model ") and "\n" not in str(e.value)
+
+
 def test_a_model_without_a_chat_template_is_refused():
     from grpolab.models import CharTokenizer
     with pytest.raises(ConfigError, match="no chat template"):

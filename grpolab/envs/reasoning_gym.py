@@ -96,11 +96,6 @@ def extract_answer(completion: str, reference: str | None = None) -> str | None:
     return None if value is None else format_number(value)
 
 
-def _text(completion) -> str:
-    """A completion as text: a string, or a one-message assistant turn."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
 _SCORERS: dict[str, object] = {}
 
 
@@ -111,14 +106,10 @@ def scorer(name: str):
     return _SCORERS[name]
 
 
-def reasoning_gym(completions: list, reasoning_gym: list[dict], **_) -> list[float | None]:
+def score(entry, completion: str) -> float | None:
     """The row's reasoning-gym scorer on the completion's last <answer>: 1.0 right, 0.0 wrong or no answer,
-    partial credit where the task gives it; None for rows that are not reasoning-gym's."""
-    out: list[float | None] = []
-    for completion, entry in zip(completions, reasoning_gym):
-        if not isinstance(entry, dict) or "dataset" not in entry:
-            out.append(None)
-            continue
-        answer = extract_answer(_text(completion), str(entry["answer"]))
-        out.append(0.0 if answer is None else float(scorer(entry["dataset"])(answer, entry)))
-    return out
+    partial credit where the task gives it; None for an entry that is not reasoning-gym's."""
+    if not isinstance(entry, dict) or "dataset" not in entry:
+        return None
+    answer = extract_answer(completion, str(entry["answer"]))
+    return 0.0 if answer is None else float(scorer(entry["dataset"])(answer, entry))

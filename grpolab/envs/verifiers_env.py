@@ -6,9 +6,10 @@
 The taskset is loaded as verifiers loads one (`vf.load_taskset`), with its own config class; data.task_config
 gives that config's fields.
 A row's prompt is the task's system prompt and prompt as chat messages, its answer the task's `answer` field
-where it has one. The `verifiers` reward makes the finished rollout a verifiers Trace (the prompt, then the
-completion as the assistant's turn) and awaits the task's `score(trace)`: the weighted sum of its @vf.reward
-functions (rewards needing a sandbox runtime or an LLM judge are skipped by verifiers without one).
+where it has one. The `verifiers` reward (rewards/task_packages.py, through `score`) makes the finished rollout a
+verifiers Trace (the prompt, then the completion as the assistant's turn) and awaits the task's `score(trace)`:
+the weighted sum of its @vf.reward functions (rewards needing a sandbox runtime or an LLM judge
+are skipped by verifiers without one).
 
 In verifiers 0.4.0 a multi-turn environment is a harness program that calls the model over an OpenAI-compatible
 endpoint itself; grpolab's Environment contract (reset/step) has no hook into that loop, so verifiers tasksets
@@ -78,17 +79,12 @@ def _trace(vf, task, prompt: list[dict], text: str):
     return trace
 
 
-async def verifiers(prompts: list, completions: list, verifiers: list, **_) -> list[float | None]:
-    """The row's verifiers task scores the completion: the trace's reward (None for rows that are not a task's)."""
+async def score(task, prompt: list[dict] | str, completion: str) -> float | None:
+    """The task's rubric on the completion, as the finished trace's reward (None when `task` is not a task)."""
     vf = _package()
-    out: list[float | None] = []
-    for prompt, completion, task in zip(prompts, completions, verifiers):
-        if not isinstance(task, vf.Task):
-            out.append(None)
-            continue
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        trace = _trace(vf, task, msgs, text)
-        await task.score(trace)
-        out.append(float(trace.reward))
-    return out
+    if not isinstance(task, vf.Task):
+        return None
+    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    trace = _trace(vf, task, msgs, completion)
+    await task.score(trace)
+    return float(trace.reward)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from ..envs.reasoning_gym import reasoning_gym
-from ..envs.verifiers_env import verifiers
 from ..errors import RewardError, UnknownRewardError
 from . import length as _length
 from .accuracy import gsm8k_accuracy, math_accuracy
@@ -33,6 +31,7 @@ from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
 from .judge import get_judge
 from .length import make_length_reward
 from .model import reward_model
+from .task_packages import reasoning_gym, verifiers
 from .verl_style import verl_reward
 
 RewardFn = Callable[..., list]
@@ -51,9 +50,9 @@ REWARDS: dict[str, RewardFn] = {
     "token_entropy": token_entropy,
     "trajectory_logprob": trajectory_logprob,
     "rlpr": rlpr,
-    # a reasoning-gym row's own scorer on the completion's <answer> (envs/reasoning_gym.py)
+    # a reasoning-gym row's own scorer on the completion's <answer> (rewards/task_packages.py)
     "reasoning_gym": reasoning_gym,
-    # a verifiers task's own rubric on the completion (envs/verifiers_env.py)
+    # a verifiers task's own rubric on the completion (rewards/task_packages.py)
     "verifiers": verifiers,
     # an episode's summed step rewards from its environment (env.name; rollout/env_decode.py)
     "env": env,

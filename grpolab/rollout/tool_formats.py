@@ -24,6 +24,7 @@ import json
 import re
 
 from ..errors import ConfigError, ToolCallError
+from ..models.chat_turns import AfterTurn
 from .tools import CallRecord
 
 
@@ -77,7 +78,6 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 # Stand-in outputs rendered once at start-up: if the template drops or mangles them, the model would never see
 # its results, so the run stops there instead of training on blind turns.
 _PROBE = ("GRPOLAB-RESULT-1", "GRPOLAB-RESULT-2")
-_ANSWER = "GRPOLAB-ANSWER"   # the stand-in assistant turn's text
 
 
 def _call(obj) -> tuple | ToolCallError:
@@ -113,52 +113,17 @@ class HermesFormat:
     def __init__(self, tokenizer, model_name: str = "the model") -> None:
         self.tok = tokenizer            # an HFTokenizer, its `tools` already set
         self.triggers = tuple(tokenizer.stop_ids)
-        hf = tokenizer.tok
         fix = "use a model whose chat template renders tools Hermes-style (e.g. Qwen2.5-Instruct) or the built-in model"
 
         def fail(why: str) -> ConfigError:
             return ConfigError(f"rollout.tools: the chat template of {model_name} {why}; {fix}")
 
-        user = [{"role": "user", "content": "q"}]
-        self._stand_in = [*user, {"role": "assistant", "content": _ANSWER}]
-        try:
-            prompt = hf.apply_chat_template(user, tokenize=False, add_generation_prompt=True, tools=tokenizer.tools)
-            bare = hf.apply_chat_template(user, tokenize=False, tools=tokenizer.tools)
-            after = self._results_text([CallRecord("f", {}, o, False) for o in _PROBE])
-        except Exception as e:   # noqa: BLE001 - a template error (jinja's, or the template's raise_exception)
-            raise fail(f"cannot render a conversation with tool results ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        probe = [{"role": "tool", "name": "f", "content": o} for o in _PROBE]
+        self._after = AfterTurn(tokenizer, probe, "tool results", fail, tools=tokenizer.tools)
         names = [s.get("function", s).get("name", "") for s in tokenizer.tools or []]
-        missing = [n for n in names if n not in prompt]
+        missing = [n for n in names if n not in self._after.prompt]
         if missing:
             raise fail(f"does not list the tools in the prompt (no {missing[0]!r} in it)")
-        # The rollout is the prompt, the sampled turn, then what `render` appends: the template's conversation
-        # with the results must read the same, so it must start with the prompt as it was rendered.
-        if not after.startswith(prompt):
-            raise fail("renders tool results by rewriting the turns before them, so grpolab cannot append them "
-                       "to a rollout")
-        answer = after.find(_ANSWER, len(prompt))
-        if answer < 0:
-            raise fail("drops the assistant's text from a turn followed by tool results")
-        # the sampled turn ends with a stop token: the results go right after the first one after its text
-        stops = [t for t in (hf.decode([i]) for i in tokenizer.stop_ids) if t]
-        ends = sorted((after.find(t, answer + len(_ANSWER)), t) for t in stops)
-        ends = [e for e in ends if e[0] >= 0]
-        if not ends:
-            raise fail(f"does not end an assistant turn with a stop token ({', '.join(map(repr, stops))})")
-        at, end = ends[0]
-        self._prefix = after[:at + len(end)]
-        tail = after[len(self._prefix):]
-        if not all(o in tail for o in _PROBE):
-            raise fail("drops tool results (a `tool` message's content is not in the rendered text)")
-        gen = prompt[len(bare):] if prompt.startswith(bare) else ""
-        if not tail.endswith(gen):
-            raise fail(f"does not open an assistant turn after tool results (the generation prompt {gen!r})")
-
-    def _results_text(self, records: list[CallRecord]) -> str:
-        msgs = [{"role": "tool", "name": r.name or "", "content": r.output} for r in records]
-        return self.tok.tok.apply_chat_template(self._stand_in + msgs, tokenize=False, add_generation_prompt=True,
-                                                tools=self.tok.tools)
 
     def calls_in(self, segment: list[int]) -> list | None:
         text = self.tok.tok.decode(segment, skip_special_tokens=False)
@@ -172,13 +137,8 @@ class HermesFormat:
 
     def render(self, records: list[CallRecord]) -> list[int]:
         """What the template puts after an assistant turn that ended with the calls (its end-of-turn
-        token sampled), up to the next assistant turn: a stand-in conversation rendered with the
-        results, less the part before them (checked at start-up to be a prefix)."""
-        after = self._results_text(records)
-        if not after.startswith(self._prefix):   # checked at start-up; only a content-dependent template gets here
-            raise ConfigError("rollout.tools: the chat template renders these tool results by rewriting the turns "
-                              "before them; grpolab cannot append them to a rollout")
-        return list(self.tok.tok(after[len(self._prefix):], add_special_tokens=False)["input_ids"])
+        token sampled), up to the next assistant turn: the results as `tool` messages."""
+        return self._after.render([{"role": "tool", "name": r.name or "", "content": r.output} for r in records])
 
 
 # ChatML (<|im_start|>role\n...<|im_end|>) templates that never read `tools` (SmolLM2-Instruct, many fine-tunes)

@@ -31,6 +31,7 @@ from .generation import Generation, cat_generations
 STOPPED = "the run stopped (the last checkpoint is kept: train.resume=auto continues it)"
 POLL_S = 0.2        # how often a waiting trainer looks at its workers' processes
 REAP_S = 3.0        # how long a closed connection may take to show as the worker's exit status
+JOIN_S = 30.0       # how long a thread left in a gloo call may take to fail once the workers are gone
 
 
 def weight_version(batch: int, k: int) -> int:
@@ -246,8 +247,8 @@ class WorkerPool:
                 p.wait()
         # the threads blocked in gloo calls to the workers fail once their sockets close; a process that exits
         # while one is still inside gloo aborts ("terminate called without an active exception")
-        for t in [*self.receivers, *([self._call] if self._call is not None else [])]:
-            t.join(REAP_S)
+        for t in [*self.receivers, *(t for t in (self._call, stop) if t is not None)]:
+            t.join(JOIN_S)
 
 
 class WorkerError(RuntimeError):

@@ -10,6 +10,7 @@ from conftest import ROOT
 from grpolab.algorithms import advantages, aggregate, kl, losses
 from grpolab.algorithms.estimators import ADV_ESTIMATORS
 from grpolab.config import names, presets, reward_spec
+from grpolab.envs import reasoning_gym, verifiers_env
 from grpolab.rewards import REWARDS, custom
 from grpolab.rollout.sources import SOURCES
 
@@ -24,6 +25,8 @@ def test_each_name_list_equals_its_registry():
     assert names.DPO_LOSSES == tuple(losses.DPO_LOSSES)
     assert names.DISTILL_KL == tuple(losses.DISTILL_KL)
     assert names.REWARDS == tuple(REWARDS)
+    assert names.PACKAGE_TASKS == (reasoning_gym.TASK_PREFIX, verifiers_env.TASK_PREFIX)
+    assert all(p[:-1] in REWARDS for p in names.PACKAGE_TASKS)
 
 
 def test_presets_name_registered_algorithms():

@@ -20,6 +20,9 @@ AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-tok
 # dpo.loss_type and distill.kl: grpolab/algorithms/losses.py's DPO_LOSSES and DISTILL_KL
 DPO_LOSSES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust")
 DISTILL_KL: tuple[str, ...] = ("forward", "reverse")
+# data.task: the prefixes of tasks whose rows and scorer come from a package, each with the reward of the same
+# name (grpolab/envs/reasoning_gym.py's and verifiers_env.py's TASK_PREFIX)
+PACKAGE_TASKS: tuple[str, ...] = ("reasoning_gym:", "verifiers:")
 # reward.functions: the built-in rewards, grpolab/rewards/__init__.py's REWARDS; any other function is a
 # spec with a ':' (rm:, judge:, verl:, package.module:function, path/to/file.py:function)
 REWARDS: tuple[str, ...] = ("gsm8k_accuracy", "format", "math_accuracy", "think_format", "boxed_format", "length",

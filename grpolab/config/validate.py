@@ -20,6 +20,7 @@ from .names import (
     DISTILL_KL,
     DPO_LOSSES,
     KL_ESTIMATORS,
+    PACKAGE_TASKS,
     POLICY_LOSSES,
     REWARDS,
     ROLLOUT_ENGINES,
@@ -195,7 +196,7 @@ def _data(cfg: Config) -> None:
     """data.*: a known task (files needs a path), prompt length policy, sizes and the arithmetic task's
     difficulty in range."""
     d = cfg.data
-    named = d.task.startswith(("reasoning_gym:", "verifiers:")) and bool(d.task.partition(":")[2])
+    named = d.task.startswith(PACKAGE_TASKS) and bool(d.task.partition(":")[2])
     need(d.task in DATA_TASKS or named, f"data.task: {d.task!r} is not one of {', '.join(DATA_TASKS)}, "
          f"reasoning_gym:<dataset name> or verifiers:<taskset id>")
     need(not named or "gsm8k_accuracy" not in cfg.reward.functions,
@@ -532,7 +533,7 @@ def eval_check(cfg: Config) -> str:
         return cfg.eval.reward
     if cfg.env.name is not None:   # the episode's reward (1.0: solved)
         return "env"
-    if cfg.data.task.startswith(("reasoning_gym:", "verifiers:")):   # the task's own scorer
+    if cfg.data.task.startswith(PACKAGE_TASKS):   # the task's own scorer
         return cfg.data.task.partition(":")[0]
     return next((f for f in cfg.reward.functions if f in EVAL_CHECKS), "gsm8k_accuracy")
 

@@ -11,18 +11,17 @@ template and appended (`turns.TurnRenderer`); the next turn is sampled after the
 environment says done, after env.max_turns turns, or when the episode's tokens reach rollout.max_completion_tokens.
 An episode's reward is the sum of its steps' rewards (the `env` reward function reads it).
 
-A spec names the factory: 'package.module:make_env' or 'path/to/file.py:make_env', optionally called with literal
-arguments 'module:make_env(level=2)' (the call returns the factory); 'verifiers:<module:object or env id>' and
-'openenv:<base url>' are the adapters (envs/verifiers_env.py, envs/openenv_env.py).
+env.name names the factory (load.py): 'package.module:make_env' or 'path/to/file.py:make_env', optionally called
+with literal arguments 'module:make_env(level=2)' (the call returns the factory); 'openenv:<base url>' and
+'textarena:<game id>' are the adapters (envs/openenv_env.py, envs/textarena_env.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
-from ..errors import ConfigError, EnvError
+from ..errors import EnvError
 
 
 @dataclass
@@ -51,8 +50,7 @@ def check_reply(reply: object, where: str) -> Reply:
     if isinstance(reply, tuple) and len(reply) == 3:   # (messages, reward, done)
         reply = Reply(*reply)
     if not isinstance(reply, Reply):
-        raise EnvError(f"{where}: step() returned a {type(reply).__name__}, not a Reply(messages, reward, "
-                                f"done)")
+        raise EnvError(f"{where}: step() returned a {type(reply).__name__}, not a Reply(messages, reward, done)")
     try:
         reward = float(reply.reward)
     except (TypeError, ValueError):
@@ -67,17 +65,8 @@ def check_reply(reply: object, where: str) -> Reply:
     if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                              and isinstance(m.get("content"), str) for m in msgs):
         raise EnvError(f"{where}: the reply's messages must be a list of {{role, content}} with text "
-                                f"content, got {str(msgs)[:80]}")
+                       f"content, got {str(msgs)[:80]}")
     if not reply.done and not msgs:
         raise EnvError(f"{where}: the episode goes on but the reply has no message for the model")
     return Reply(msgs, reward, bool(reply.done))
 
-
-def episode_factory(spec: str, load_function: Callable[[str], Callable]) -> Callable[[], Environment]:
-    """The per-episode factory a 'module:fn' spec names (`load_function` imports it, or makes it from a call).
-    A class works as its own factory."""
-    factory = load_function(spec)
-    if not callable(factory):
-        raise ConfigError(f"env.name: {spec!r} is a {type(factory).__name__}, not a callable that makes an "
-                          f"environment")
-    return factory

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
+from ..config.names import PACKAGE_TASKS
 from ..data.loading import filter_long_prompts, normalize_rows, read_records
 from ..data.tasks import arithmetic, pyfunc
 from ..data.tasks.gsm8k import load_gsm8k
@@ -101,7 +102,7 @@ DATA_SOURCES = {"env": "grpolab/env", "arithmetic": "grpolab/arithmetic", "gsm8k
 
 
 def _with_data_source(rows: list[dict], d) -> list[dict]:
-    named = d.task.startswith((reasoning_gym.TASK_PREFIX, verifiers_env.TASK_PREFIX))
+    named = d.task.startswith(PACKAGE_TASKS)
     source = DATA_SOURCES.get(d.task, d.task if named else d.train_path)
     return [r if "data_source" in r else {**r, "data_source": source} for r in rows]
 

@@ -18,6 +18,7 @@ import threading
 import time
 
 from ..errors import RewardError
+from ..utils.threads import call_all
 from . import exit_guard
 from .calling import RewardLog
 
@@ -128,23 +129,12 @@ def _in_main_thread(name: str, fn, kwargs: dict, timeout: float):
 
 
 def _in_worker_thread(fn, kwargs: dict, timeout: float):
-    box: dict = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["out"] = fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            box["err"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="grpolab-reward", daemon=True).start()
-    if not done.wait(timeout):
+    ((ok, got),) = call_all([lambda: fn(**kwargs)], timeout, "grpolab-reward")
+    if ok is None:
         raise Expired
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
+    if not ok:
+        raise got
+    return got
 
 
 async def _outcome(fn, kwargs: dict):

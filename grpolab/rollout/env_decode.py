@@ -18,8 +18,6 @@ returns a malformed reply or a non-finite reward.
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +28,7 @@ from ..envs.environment import Environment, Reply, check_reply
 from ..envs.load import env_factory
 from ..envs.turns import TurnRenderer
 from ..errors import EnvError
+from ..utils.threads import call_all
 from .fed_rows import FedRows
 
 
@@ -149,7 +148,7 @@ class EpisodeSession(FedRows):
         environment cannot keep the process alive); EnvError on the first failure, in row order."""
         calls = [(lambda i=i: self._reset(i)) if what == "reset" else (lambda i=i, x=text: self.envs[i].step(x))
                  for i, text in jobs]
-        results = _call_all(calls, self.use.timeout)
+        results = call_all(calls, self.use.timeout, "grpolab-env")
         out = []
         for (i, _), (ok, got) in zip(jobs, results):
             where = f"environment {self.use.name}: episode {i}, {what}" + (f" of turn {self.turns[i] + 1}"
@@ -167,28 +166,3 @@ class EpisodeSession(FedRows):
         env.reset(self.rows[i])
         return env
 
-
-def _call_all(calls: list[Callable], timeout: float) -> list[tuple[bool | None, object]]:
-    """Run every call at once; per call (True, value), (False, the exception) or (None, None) past `timeout`
-    seconds from the start (0: no limit)."""
-    boxes = [{} for _ in calls]
-    events = [threading.Event() for _ in calls]
-
-    def run(fn, box, ev) -> None:
-        try:
-            box["v"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the decode's thread
-            box["e"] = e
-        finally:
-            ev.set()
-
-    for fn, box, ev in zip(calls, boxes, events):
-        threading.Thread(target=run, args=(fn, box, ev), name="grpolab-env", daemon=True).start()
-    deadline = time.monotonic() + timeout if timeout else None
-    out = []
-    for box, ev in zip(boxes, events):
-        if not ev.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            out.append((None, None))
-        else:
-            out.append((True, box["v"]) if "v" in box else (False, box["e"]))
-    return out

@@ -16,12 +16,13 @@ $(VENV)/.core: pyproject.toml Makefile
 	touch $@
 
 # verl's reward scorers are tested as grpolab rewards. verl itself pulls in vLLM-era pins, so it is
-# installed without its dependencies, plus the three its `import verl` needs.
+# installed without its dependencies, after the three its `import verl` needs: pip checks the pins of what an
+# install touches, so verl goes in last (with --no-deps, unchecked) and no install prints a conflict.
 VERL ?= verl==0.9.1
 $(VENV)/.full: $(VENV)/.core
 	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -m pip install -q --no-deps "$(VERL)"
 	$(PY) -m pip install -q ray tensordict omegaconf
+	$(PY) -m pip install -q --no-deps "$(VERL)"
 	touch $@
 
 venv: $(VENV)/.full

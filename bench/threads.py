@@ -8,7 +8,8 @@ modes (every one a separate `grpolab` process, same config and seed):
   t1      train.threads=1
   t0_old  train.threads=0 (all cores), OpenMP's default wait policy: torch is imported before grpolab,
           so the OpenMP runtime starts before grpolab can set OMP_WAIT_POLICY (what grpolab did before)
-  t0_new  train.threads=0 as `grpolab` runs it now (grpolab/determinism.py: OMP_WAIT_POLICY=PASSIVE)
+  t0_new  train.threads=0 as `grpolab` runs it now (grpolab/determinism.py: OMP_WAIT_POLICY=PASSIVE,
+          GOMP_SPINCOUNT=3000)
 
 conditions:
   idle       nothing else started by the benchmark (other users of the machine still count)

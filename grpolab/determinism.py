@@ -28,27 +28,42 @@ of sleeping. On an idle machine that saves a wake-up; when another process wants
 spinning workers take the CPU time the thread doing the real work needs, and every region waits for
 a descheduled spinner: `grpolab sft` at train.threads=0 ran 3-13x slower than at train.threads=1 and
 burned ~4x the CPU. `OMP_WAIT_POLICY=PASSIVE` makes idle workers sleep at once (libgomp's spin count
-0); `KMP_BLOCKTIME=0` is the same for builds on Intel's OpenMP (libiomp5). How threads wait changes
-no arithmetic: the bits are the same (tests/test_threads.py; bench/threads.py measures the speed).
+0), which costs an idle machine a wake-up per region: the Python API's SmolLM2 example ran 15-40 % slower
+per step than with the default. `GOMP_SPINCOUNT=3000` (with the passive policy: GOMP_SPINCOUNT wins in
+libgomp) lets a worker spin for about 30 us, long enough to catch the next region of a step's back-to-back
+operations, too short to take much from another process (bench/api_import_order.py; docs/python-api.md
+has the numbers). `KMP_BLOCKTIME=0` is the passive policy for builds on Intel's OpenMP (libiomp5). How
+threads wait changes no arithmetic: the bits are the same (tests/test_threads.py; bench/threads.py
+measures the speed).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 # Read by MKL at its first call, so it is set when grpolab is imported (grpolab/__init__.py);
 # a value the user exported wins.
 MKL_ENV = {"MKL_CBWR": "AUTO", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
 # Read by the OpenMP runtime once, when it is loaded (with torch): grpolab/__init__.py sets them
-# before anything imports torch. A value the user exported wins (OMP_WAIT_POLICY=ACTIVE brings
-# the spinning back, e.g. for a dedicated machine).
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# before anything imports torch. When the user exported any of them, none is set: their choice wins
+# (OMP_WAIT_POLICY=ACTIVE brings the spinning back, e.g. for a dedicated machine).
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "0"}
+
+
+# Whether torch (and with it the OpenMP runtime) was loaded before grpolab, with none of OPENMP_ENV exported: the
+# runtime then keeps its defaults for the life of the process, and the Python API runs its jobs in a child process
+# that starts with grpolab's settings (api/child.py).
+OPENMP_MISSED = False
 
 
 def set_reproducible_env() -> None:
     """Set the MKL/OpenMP reproducibility and wait-policy variables unless the user set them
     (before torch is imported: the OpenMP runtime reads them when it is loaded)."""
-    for k, v in {**MKL_ENV, **OPENMP_ENV}.items():
+    global OPENMP_MISSED
+    users = any(k in os.environ for k in OPENMP_ENV)
+    OPENMP_MISSED = "torch" in sys.modules and not users
+    for k, v in {**MKL_ENV, **({} if users else OPENMP_ENV)}.items():
         os.environ.setdefault(k, v)
 
 

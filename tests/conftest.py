@@ -9,10 +9,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+# isort: off
+import grpolab  # noqa: F401  (before torch: the OpenMP runtime reads its settings when torch loads it)
+# isort: on
 import pytest
 import torch
 
-import grpolab  # noqa: F401  (before torch: OpenMP reads OMP_WAIT_POLICY when torch loads it)
 from grpolab.models.logprobs import token_logprobs
 from grpolab.serve.batcher import Batcher, Job
 

@@ -71,7 +71,7 @@ def test_eval_every_rows_equal_grpolab_eval_of_that_checkpoint(tmp_path):
     assert {k[5:]: v for k, v in rows[2].items() if k.startswith("eval/")} == \
         json.loads((run / "eval.json").read_text())
     logged = {k[5:]: v for k, v in rows[1].items() if k.startswith("eval/")}
-    assert set(logged) == {"greedy_accuracy", "pass@1", "pass@2", "pass@4", "maj@4"}
+    assert set(logged) == {"greedy_accuracy", "pass@1", "pass@2", "pass@4", "maj@4", "rewards/gsm8k_accuracy/mean"}
     r = run_cli("eval", str(run / "checkpoints" / "step_2"), "--out", str(tmp_path / "ev"), *args)
     assert r.returncode == 0, r.stderr
     assert 0 < logged["greedy_accuracy"] < 1 and 0 < logged["pass@1"] < logged["pass@4"]

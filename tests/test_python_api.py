@@ -347,7 +347,7 @@ def test_evaluate_scores_the_last_checkpoint_as_the_final_eval_did(tiny, tmp_pat
                                           max_completion_length=8, max_steps=2, eval_strategy="steps", eval_steps=1,
                                           **{"eval.k": 2, "train.threads": 1}))
     final = trainer.train()
-    assert set(final) == {"greedy_accuracy", "pass@1", "pass@2", "maj@2"}
+    assert set(final) == {"greedy_accuracy", "pass@1", "pass@2", "maj@2", "rewards/gsm8k_accuracy/mean"}
     assert trainer.evaluate() == {f"eval_{k}": v for k, v in final.items()}
     # the periodic eval after step 1 and the final one after step 2, as metrics.jsonl's rows hold them
     logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -1,5 +1,6 @@
-"""train.threads=0 on a shared machine: OpenMP's idle threads sleep instead of spinning
-(grpolab/determinism.py: OMP_WAIT_POLICY=PASSIVE), and how they wait changes no bits.
+"""train.threads=0 on a shared machine: OpenMP's idle threads sleep after a short spin instead of spinning for
+milliseconds (grpolab/determinism.py: OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=3000), and how they wait changes
+no bits.
 bench/threads.py measures the speed."""
 
 import json
@@ -21,16 +22,17 @@ def _env(**extra: str) -> dict:
 
 
 def test_importing_grpolab_sets_the_wait_policy_before_torch_loads():
-    """The OpenMP runtime reads OMP_WAIT_POLICY once, when torch loads it: importing grpolab must set
-    it without importing torch; a value the user exported wins."""
-    probe = ("import os, sys, grpolab; print(os.environ['OMP_WAIT_POLICY'], os.environ['KMP_BLOCKTIME'], "
-             "'torch' in sys.modules)")
+    """The OpenMP runtime reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when torch loads it: importing grpolab
+    must set them without importing torch; a wait setting the user exported wins, and then grpolab sets none
+    (its spin count would override the user's policy)."""
+    probe = ("import os, sys, grpolab; e = os.environ.get; print(e('OMP_WAIT_POLICY'), e('GOMP_SPINCOUNT'), "
+             "e('KMP_BLOCKTIME'), 'torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["PASSIVE", "0", "False"]
+    assert r.stdout.split() == ["PASSIVE", "3000", "0", "False"]
     r = subprocess.run([sys.executable, "-c", probe], env=_env(OMP_WAIT_POLICY="ACTIVE"), capture_output=True,
                        text=True, timeout=60)
-    assert r.stdout.split()[0] == "ACTIVE", r.stderr
+    assert r.stdout.split() == ["ACTIVE", "None", "None", "False"], r.stderr
 
 
 # CPU time the OpenMP worker threads burn while the main thread sleeps between small parallel regions
@@ -63,8 +65,9 @@ def _workers_cpu(order: str) -> float:
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenMP needs 2 cores to run a region on 2 threads")
 def test_idle_openmp_workers_sleep_instead_of_spinning():
-    """The runtime really runs with the passive policy: between regions the worker thread burns
-    (almost) no CPU. The old start-up order is the control: its worker spins for every sleep."""
+    """The runtime really runs with grpolab's settings: between regions the worker thread spins briefly (3000
+    spins), then sleeps, burning (almost) no CPU. The old start-up order is the control: its worker spins
+    through every sleep."""
     spinning = _workers_cpu("torch-first")
     passive = _workers_cpu("grpolab-first")
     # 50 sleeps of 2 ms: a spinning worker burns up to ~0.1 s (less when the machine is busy); the

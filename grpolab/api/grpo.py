@@ -9,6 +9,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..jobs.eval import run_eval
 from ..jobs.train import run_train
+from .field_types import GRPO_KINDS
 from .grpo_fields import GRPO, GRPO_UNSUPPORTED, grpo_settings
 from .inputs import reward_specs
 from .trainer import Trainer, TRLConfig
@@ -20,6 +21,8 @@ class GRPOConfig(TRLConfig):
     TRL's defaults; dotted keys are applied last and win."""
     FIELDS = GRPO
     UNSUPPORTED = GRPO_UNSUPPORTED
+    KINDS = GRPO_KINDS
+    SETTINGS = staticmethod(grpo_settings)
 
 
 class GRPOTrainer(Trainer):
@@ -60,11 +63,15 @@ class GRPOTrainer(Trainer):
 
     def evaluate(self) -> dict:
         """The last checkpoint's held-out eval, as `grpolab eval` runs it (greedy accuracy, pass@k and maj@k on the
-        eval rows, scored against their `answer` column by eval.reward), under TRL's names: eval_<metric>. Writes
-        <output_dir>/evaluate/eval.json."""
+        eval rows, scored against their `answer` column by eval.reward), under TRL's names: eval_<metric>. The run's
+        own eval when it logged one at that checkpoint's step (right after train(): the final eval); else it is run,
+        into <output_dir>/evaluate/eval.json."""
         last = self.last_checkpoint("evaluate")
         if not self.config.eval.num_problems:
             raise ConfigError("evaluate: no held-out rows; give an eval_dataset with `prompt` and `answer` columns")
+        logged = self.logged_eval(last)
+        if logged:
+            return logged
         res = run_eval(str(last), self.config, out=str(last.parent.parent / "evaluate"))
         return {f"eval_{k}": v for k, v in res.items()}
 

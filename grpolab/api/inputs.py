@@ -1,10 +1,11 @@
 """What a Python caller hands a trainer, made into what `grpolab train` reads: reward specs, data files in the
-run directory, a model directory, LoRA keys."""
+run directory."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -56,42 +57,23 @@ def rows_of(data: Any, what: str) -> list[dict] | str:
                       f"{type(data).__name__}")
 
 
-def write_rows(rows: list[dict], path: Path) -> str:
-    """`rows` as JSON lines at `path` (written again on every call with the same rows: a resume reads the same
-    file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_rows(rows: list[dict], path: Path, what: str, resume: bool = False, write: bool = True) -> str:
+    """`rows` as JSON lines at `path` (`write` False: only checked, the path returned). `resume`: the run's checkpoint
+    continues the rows it was trained on, so a file already there must hold these rows (ConfigError naming `what`
+    otherwise, the file left as it is)."""
     try:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     except TypeError as e:
         raise ConfigError(f"dataset rows must hold JSON values (text, numbers, lists, dicts): {e}") from None
-    path.write_text(text)
+    old = path.read_text() if path.is_file() else None
+    if resume and old is not None and old != text:
+        run = path.parent.parent
+        raise ConfigError(f"{what}: other rows than the run in {run} was trained on ({path}); a resume continues on "
+                          f"the run's rows: give the same rows, or start a new run in another output_dir "
+                          f"(model.init_from=<one of its checkpoints> starts from its weights)")
+    if write and old != text:   # a temporary file renamed over it: no reader sees a half-written file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     return str(path)
-
-
-# peft LoraConfig fields grpolab maps, and the values of the others it accepts (peft's defaults)
-LORA_DEFAULTS = {"bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
-                 "init_lora_weights": True, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
-
-
-def lora_settings(peft_config: Any) -> dict[str, Any]:
-    """model.lora_* keys for a peft LoraConfig (None: no keys)."""
-    if peft_config is None:
-        return {}
-    if not all(hasattr(peft_config, k) for k in ("r", "lora_alpha", "lora_dropout", "target_modules")):
-        raise ConfigError(f"peft_config: a peft LoraConfig is expected, not {type(peft_config).__name__}")
-    for k, default in LORA_DEFAULTS.items():
-        value = getattr(peft_config, k, default)
-        if value != default and not (default in (None, {}) and not value):
-            raise ConfigError(f"peft_config.{k}={value!r}: not supported by grpolab (LoRA with {k}={default!r})")
-    targets = peft_config.target_modules
-    if targets is None:   # peft then picks layers per architecture, which grpolab does not copy
-        raise ConfigError("peft_config.target_modules is None: name the layers (e.g. ['q_proj', 'v_proj']) or give "
-                          "'all-linear'")
-    if targets == "all-linear":
-        targets = None   # grpolab's default: every linear layer of the blocks
-    elif isinstance(targets, str):
-        raise ConfigError(f"peft_config.target_modules={targets!r}: give a list of layer names or 'all-linear'")
-    else:
-        targets = sorted(targets)
-    return {"model.lora_rank": int(peft_config.r), "model.lora_alpha": float(peft_config.lora_alpha),
-            "model.lora_dropout": float(peft_config.lora_dropout), "model.lora_target_modules": targets}

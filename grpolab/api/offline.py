@@ -8,6 +8,7 @@ from ..errors import ConfigError
 from ..jobs.dpo import run_dpo
 from ..jobs.rm import run_rm
 from ..jobs.sft import run_sft
+from .field_types import DPO_KINDS, REWARD_KINDS, SFT_KINDS
 from .offline_fields import (
     DPO,
     DPO_UNSUPPORTED,
@@ -26,18 +27,24 @@ class SFTConfig(TRLConfig):
     """TRL's SFTConfig fields and grpolab's own keys in dotted form (docs/python-api.md)."""
     FIELDS = SFT
     UNSUPPORTED = SFT_UNSUPPORTED
+    KINDS = SFT_KINDS
+    SETTINGS = staticmethod(sft_settings)
 
 
 class DPOConfig(TRLConfig):
     """TRL's DPOConfig fields and grpolab's own keys in dotted form (docs/python-api.md)."""
     FIELDS = DPO
     UNSUPPORTED = DPO_UNSUPPORTED
+    KINDS = DPO_KINDS
+    SETTINGS = staticmethod(dpo_settings)
 
 
 class RewardConfig(TRLConfig):
     """TRL's RewardConfig fields and grpolab's own keys in dotted form (docs/python-api.md)."""
     FIELDS = REWARD
     UNSUPPORTED = REWARD_UNSUPPORTED
+    KINDS = REWARD_KINDS
+    SETTINGS = staticmethod(reward_settings)
 
 
 class _OfflineTrainer(Trainer):

@@ -4,16 +4,20 @@ directory, the grpolab Config built from them, and `train()` / `save_model()` ov
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config
-from ..config.load import _flatten, config_from_dict, read_yaml
+from ..config.load import _flatten, check_output_dir, config_from_dict, read_yaml
 from ..distributed import world_from_env
 from ..errors import ConfigError
 from ..train.callbacks import Hooks, TrainerState
-from .inputs import lora_settings, rows_of, write_rows
+from ..train.run import Run
+from .child import run_in_child, wanted
+from .field_types import check_types
+from .inputs import rows_of, write_rows
+from .lora_fields import lora_settings
+from .saved_model import copy_model
 from .trl_fields import check_fields
 
 
@@ -23,11 +27,18 @@ class TRLConfig:
     """
     FIELDS: dict[str, Any] = {}
     UNSUPPORTED: dict[str, tuple[Any, Any, str]] = {}
+    KINDS: dict[str, tuple[str, ...]] = {}   # the fields whose TRL default does not say their type (field_types.py)
+    SETTINGS: Callable[..., dict[str, Any]] | None = None   # (fields, train rows, eval rows) -> grpolab's keys
 
     def __init__(self, **fields: Any) -> None:
         check_fields(fields, type(self).__name__, self.FIELDS, self.UNSUPPORTED)
+        if "output_dir" in fields and fields["output_dir"] is None:   # TRL's None: its default
+            del fields["output_dir"]
+        check_types(fields, type(self).__name__, self.FIELDS, self.KINDS)
         self.fields = {k: v for k, v in fields.items() if "." not in k}
         self.keys = {k: v for k, v in fields.items() if "." in k}
+        if type(self).SETTINGS is not None:   # the checks across fields now, as TRL's __post_init__ makes them (the
+            type(self).SETTINGS(self.fields, 1, 0)   # row counts are the trainer's: one row passes their checks)
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self).FIELDS:   # TRL's attribute: the value given, else TRL's default
@@ -36,11 +47,6 @@ class TRLConfig:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in {**self.fields, **self.keys}.items())})"
-
-
-# a checkpoint's training state, left out of save_model's copy
-TRAINING_STATE = ("optimizer.pt", "rng.pt", "ref.safetensors", "critic.safetensors", "critic_optimizer.pt",
-                  "trainer_state.json", "manifest.json", "run_config.yaml")
 
 
 class Trainer:
@@ -66,6 +72,9 @@ class Trainer:
         self.state = TrainerState()
         self.config: Config | None = None
         self.result: dict = {}
+        self.output_dir = Path(self.given.get("train.output_dir") or
+                               (self.trl.output_dir if self.trl is not None else Config().train.output_dir))
+        check_output_dir(_dir_config(self.output_dir))   # made now, as TRL's trainer makes it: unwritable = one line
 
     def _args(self, args: Any) -> tuple[dict[str, Any], TRLConfig | None]:
         """(grpolab's dotted keys given outright, the TRL-shaped config or None) for `args`: the trainer's config
@@ -90,13 +99,20 @@ class Trainer:
         raise NotImplementedError
 
     def _config(self, resume: Any) -> Config:
-        out = Path(self.given.get("train.output_dir") or
-                   (self.trl.output_dir if self.trl is not None else Config().train.output_dir))
+        out = self.output_dir
         inputs = out / "inputs"
+        # the run directory is this process's before anything is written into it: a run live in another process
+        # keeps its inputs (its resume reads them). The first rank writes them; the others read them in the job,
+        # after its first collective (the checkpoint lookup)
+        check_output_dir(_dir_config(out))
+        main = world_from_env().main
+        if main:
+            Run(_dir_config(out)).lock()
+        again = bool(resume) and any((out / "checkpoints").glob("step_*"))   # its checkpoint continues its rows
         train = (self.train_rows if isinstance(self.train_rows, str)
-                 else write_rows(self.train_rows, inputs / "train.jsonl"))
+                 else write_rows(self.train_rows, inputs / "train.jsonl", "train_dataset", again, main))
         evals = (None if self.eval_rows is None else self.eval_rows if isinstance(self.eval_rows, str)
-                 else write_rows(self.eval_rows, inputs / "eval.jsonl"))
+                 else write_rows(self.eval_rows, inputs / "eval.jsonl", "eval_dataset", again, main))
         keys = self.settings(train, evals, 0 if isinstance(self.train_rows, str) else len(self.train_rows),
                              0 if not isinstance(self.eval_rows, list) else len(self.eval_rows))
         keys.update(self._model_keys(inputs))
@@ -125,8 +141,9 @@ class Trainer:
         if self.processing_class is None:
             raise ConfigError("processing_class: a loaded model needs its tokenizer (processing_class=tokenizer)")
         target = inputs / "model"
-        self.model.save_pretrained(str(target))
-        self.processing_class.save_pretrained(str(target))
+        if world_from_env().main:   # (the other ranks load it in the job, as the rows)
+            self.model.save_pretrained(str(target))
+            self.processing_class.save_pretrained(str(target))
         return {"model.name_or_path": str(target)}
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
@@ -136,13 +153,22 @@ class Trainer:
         self.config = self._config(resume_from_checkpoint)
         hooks = Hooks(self.callbacks, args=self.trl if self.trl is not None else self.config,
                       main=world_from_env().main)
-        self.result = type(self).job(self.config, hooks=hooks) or {}
-        metrics = Path(self.config.train.output_dir) / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
-            if metrics.is_file() else []
-        self.state = TrainerState(global_step=rows[-1]["step"] if rows else 0, max_steps=hooks.state.max_steps,
-                                  log_history=rows)
+        job = type(self).job
+        # torch imported before grpolab: the job in a process started with grpolab's OpenMP settings (api/child.py)
+        try:
+            self.result = (run_in_child(job, self.config, hooks) if wanted(self.config)
+                           else job(self.config, hooks=hooks)) or {}
+        finally:   # also after Ctrl-C (the step it saved) or an error: the steps the run logged
+            rows = self.logged()
+            self.state = TrainerState(global_step=rows[-1]["step"] if rows else 0, max_steps=hooks.state.max_steps,
+                                      log_history=rows)
         return self.result
+
+    def logged(self) -> list[dict]:
+        """metrics.jsonl's rows, one a step."""
+        metrics = Path(self.config.train.output_dir) / "metrics.jsonl"
+        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+            if metrics.is_file() else []
 
     def add_callback(self, callback: Any) -> None:
         """A TRL/transformers TrainerCallback (an instance, or a class made with no arguments), or any object with
@@ -151,15 +177,21 @@ class Trainer:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
 
     def save_model(self, output_dir: str | None = None) -> str:
-        """The trained weights and tokenizer from the last checkpoint, copied to `output_dir` (default:
-        <output_dir>/final) without the training state: a Hugging Face directory (transformers loads it), with
-        LoRA the adapter in peft's layout (peft loads it onto the base model); the built-in GPT in grpolab's layout."""
+        """The trained weights and tokenizer from the last checkpoint, copied into `output_dir` (default:
+        <output_dir>/final; the run directory itself too, as in TRL) without the training state: a Hugging Face
+        directory (transformers loads it), with LoRA the adapter in peft's layout (peft loads it onto the base
+        model); the built-in GPT in grpolab's layout. Other files there stay (saved_model.py)."""
         last = self.last_checkpoint("save_model")
         target = Path(output_dir) if output_dir else last.parent.parent / "final"
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(last, target, ignore=lambda _, names: [n for n in names if n in TRAINING_STATE])
+        copy_model(last, target)
         return str(target)
+
+    def logged_eval(self, ckpt: Path) -> dict:
+        """The held-out eval the run logged at `ckpt`'s step (the final one, or a periodic one), under TRL's names
+        eval_<metric>; {} when it logged none there."""
+        step = int(ckpt.name.split("_")[1])
+        row = next((r for r in reversed(self.logged()) if r.get("step") == step), {})
+        return {f"eval_{k[len('eval/'):]}": v for k, v in row.items() if k.startswith("eval/")}
 
     def last_checkpoint(self, caller: str) -> Path:
         if self.config is None:
@@ -177,3 +209,10 @@ class Trainer:
     def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
         raise ConfigError("push_to_hub: not supported by grpolab; upload the directory save_model() writes with "
                           "huggingface_hub")
+
+
+def _dir_config(out: Path) -> Config:
+    """A config naming only the run directory `out` (what the run directory's checks and lock read)."""
+    cfg = Config()
+    cfg.train.output_dir = str(out)
+    return cfg

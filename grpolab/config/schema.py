@@ -210,8 +210,11 @@ class DataConfig:
     prompt_suffix: str | None = option(None, "appended to the (last user) prompt, e.g. an answer-format instruction")
     max_prompt_length: int = option(512, "prompts longer than this many tokens are dropped or rejected; 0 = no limit")
     on_long_prompt: str = option("drop", "drop (with a count in the log) | error")
-    train_size: int = option(20000, "arithmetic: problems generated for the train split; others: max rows (0 = all)")
-    test_size: int = option(200, "arithmetic: held-out problems generated (disjoint from train)")
+    train_size: int = option(20000, "arithmetic, reasoning_gym:<name>, env: rows generated for the train split (at "
+                                    "most 100000 for reasoning_gym and env: all are built at start); others: max "
+                                    "rows (0 = all)")
+    test_size: int = option(200, "arithmetic, reasoning_gym:<name>, env: held-out rows generated (disjoint from "
+                                 "train; at most 100000 for reasoning_gym and env)")
     min_ops: int = option(2, "arithmetic difficulty: operations per problem, from this ...")
     max_ops: int = option(3, "... to this ...")
     max_operand: int = option(9, "... size of the numbers added/removed ...")
@@ -253,7 +256,8 @@ class RolloutConfig:
     max_completion_tokens: int | None = option(None, "with tools: completion positions the model's tokens and the "
                                                      "tools' outputs fill together (null = max_new_tokens, which "
                                                      "still caps the sampled ones)")
-    tool_timeout: float = option(10.0, "seconds one call may take; then the model is told it timed out")
+    tool_timeout: float = option(10.0, "seconds one call may take (at most 1e7); then the model is told it timed "
+                                       "out")
     tool_output_max_chars: int = option(500, "a longer tool output is cut, with a '...[truncated N chars]' marker")
     engine: str = option("builtin", "what samples the completions: builtin (grpolab's engine: keyed, bit-exact "
                                     "runs and resumes) | vllm (a vLLM engine in the trainer's process, given the "
@@ -269,8 +273,8 @@ class EnvConfig:
                                     "server), 'textarena:<game id>'; null = single-turn completions")
     max_turns: int = option(4, "model turns per episode; the episode ends after this many, or when the environment "
                                "says done, or at rollout.max_completion_tokens (sampled and reply tokens)")
-    timeout: float = option(30.0, "seconds an environment's reset or step may take; past it the run stops with "
-                                  "one line")
+    timeout: float = option(30.0, "seconds each call of an environment (reset, step, close, first_prompt) may "
+                                  "take, at most 1e7; past it the run stops with one line")
 
 
 @dataclass

@@ -75,6 +75,10 @@ def check_finite(section: Any, prefix: str) -> None:
 
 # seconds: the longest timeout a key accepts (about 115 days); Python's timers overflow on larger ones
 MAX_TIMEOUT = 1e7
+# rows data.train_size / data.test_size may ask a task that generates them (reasoning_gym:<name>, env) to build:
+# all are built at start and held in memory (a reasoning-gym row is about 1 KB and 0.1-0.3 ms to make), and
+# 100 million took minutes and gigabytes; a run of 1000 steps of 64 prompts reads 64000 rows
+MAX_GENERATED_ROWS = 100_000
 
 
 def memory_mb() -> int:
@@ -225,6 +229,11 @@ def _data(cfg: Config) -> None:
     need(d.train_size >= 0 and (d.task not in ("arithmetic", "pyfunc") or d.train_size >= 1),
          "data.train_size: must be >= 1")
     need(d.test_size >= 1, "data.test_size: must be >= 1")
+    if d.task == "env" or d.task.startswith("reasoning_gym:"):   # rows built at start, all held in memory
+        for key in ("train_size", "test_size"):
+            need(getattr(d, key) <= MAX_GENERATED_ROWS, f"data.{key}: {getattr(d, key)} is more than the "
+                 f"{MAX_GENERATED_ROWS} rows data.task={d.task} may generate (all are built at start and held in "
+                 f"memory)")
     need(1 <= d.min_ops <= d.max_ops, "data.min_ops: must satisfy 1 <= data.min_ops <= data.max_ops")
     need(d.max_operand >= 2, "data.max_operand: must be >= 2")
     need(d.max_value >= 2 * d.max_operand,
@@ -260,25 +269,32 @@ def _tools(cfg: Config) -> None:
     need(r.max_tool_calls >= 1, "rollout.max_tool_calls: must be >= 1")
     need(r.max_completion_tokens is None or r.max_completion_tokens >= r.max_new_tokens,
          f"rollout.max_completion_tokens: must be >= rollout.max_new_tokens={r.max_new_tokens} (or null)")
-    need(r.tool_timeout > 0, "rollout.tool_timeout: must be > 0 seconds")
+    need(0 < r.tool_timeout <= MAX_TIMEOUT, f"rollout.tool_timeout: must be > 0 and at most {MAX_TIMEOUT:.0f} seconds")
     need(r.tool_output_max_chars >= 1, "rollout.tool_output_max_chars: must be >= 1")
     need(0 <= cfg.sft.tool_fraction <= 1, "sft.tool_fraction: must be in [0, 1]")
 
 
 def _env(cfg: Config) -> None:
-    """env.*: a spec, a turn limit and timeout in range; episodes run on the built-in engine, without tools."""
+    """env.*: a spec, a turn limit and timeout in range; episodes run on the built-in engine, without tools. The
+    `env` reward (training or eval) needs an environment: without one it scores nothing (reward NaN, loss 0)."""
     e, r = cfg.env, cfg.rollout
     if e.name is None:
+        need("env" not in cfg.reward.functions, f"reward.functions: env {_NO_ENV}")
+        need(cfg.eval.reward != "env", f"eval.reward: env {_NO_ENV}")
         return
     need(isinstance(e.name, str) and ":" in e.name, f"env.name: {e.name!r} is not 'module:make_env', "
          f"'file.py:make_env', 'openenv:<url>' or 'textarena:<game id>'")
     need(e.max_turns >= 1, "env.max_turns: must be >= 1")
-    need(e.timeout > 0, "env.timeout: must be > 0 seconds")
+    need(0 < e.timeout <= MAX_TIMEOUT, f"env.timeout: must be > 0 and at most {MAX_TIMEOUT:.0f} seconds")
     need(not r.tools, "env.name: an environment's episodes and rollout.tools do not mix yet; give the tools to the "
                       "environment (a verifiers ToolEnv) or drop rollout.tools")
     need(r.engine == "builtin" and not cfg.train.worker_count,
          "env.name: episodes run on the built-in engine in the trainer's process (rollout.engine=builtin, no "
          "rollout workers)")
+
+
+_NO_ENV = ("scores an environment's episodes; set env.name (the environment the model talks to between turns), "
+           "or score with another reward")
 
 
 def _vllm(cfg: Config) -> None:

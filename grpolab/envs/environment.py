@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..data.messages import canonical_role, role_problem
 from ..errors import EnvError
 
 
@@ -57,16 +58,25 @@ def check_reply(reply: object, where: str) -> Reply:
         raise EnvError(f"{where}: the reward {reply.reward!r} is not a number") from None
     if not math.isfinite(reward):
         raise EnvError(f"{where}: the reward is {reward}, not a finite number")
-    msgs = reply.messages
+    msgs = check_messages(reply.messages, where, "the reply's messages")
+    if not reply.done and not msgs:
+        raise EnvError(f"{where}: the episode goes on but the reply has no message for the model")
+    return Reply(msgs, reward, bool(reply.done))
+
+
+def check_messages(msgs: object, where: str, what: str) -> list[dict]:
+    """`msgs` (a list of {role, content}, one such dict, or a text: a user message) as a list of messages with chat
+    roles (developer rendered as system); EnvError naming `where` and `what` when it is none of those, or a role
+    is not a chat role (the rule training data and the server apply: data/messages.py)."""
     if isinstance(msgs, dict):
         msgs = [msgs]
     if isinstance(msgs, str):
         msgs = [{"role": "user", "content": msgs}]
     if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                              and isinstance(m.get("content"), str) for m in msgs):
-        raise EnvError(f"{where}: the reply's messages must be a list of {{role, content}} with text "
-                       f"content, got {str(msgs)[:80]}")
-    if not reply.done and not msgs:
-        raise EnvError(f"{where}: the episode goes on but the reply has no message for the model")
-    return Reply(msgs, reward, bool(reply.done))
-
+        raise EnvError(f"{where}: {what} must be a list of {{role, content}} with text content, got {str(msgs)[:80]}")
+    for m in msgs:
+        problem = role_problem(m["role"])
+        if problem:
+            raise EnvError(f"{where}: {what}: {problem}")
+    return [{**m, "role": canonical_role(m["role"])} for m in msgs]

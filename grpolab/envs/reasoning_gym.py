@@ -12,7 +12,9 @@ the task gives it). The package is an extra: `pip install 'grpolab[envs]'`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 
 from ..data.answers import format_number, last_number, plain_number
 from ..errors import ConfigError, DataError
@@ -45,11 +47,45 @@ def check_task(task: str, config: dict) -> None:
     if name not in known:
         raise ConfigError(f"data.task: reasoning-gym has no dataset {name!r}; e.g. "
                           f"{', '.join(sorted(known)[:8])}, ... ({len(known)} in all)")
-    fields = set(getattr(known[name][1], "__dataclass_fields__", {}))
+    declared = getattr(known[name][1], "__dataclass_fields__", {})
+    fields = set(declared)
     unknown = sorted(set(config) - fields - {"size", "seed"})
     if unknown:
         raise ConfigError(f"data.task_config: {name} has no field {unknown[0]!r}; its fields: "
                           f"{', '.join(sorted(fields - {'size', 'seed'}))}")
+    for key, value in config.items():   # its own checks compare values blindly ("'>' not supported between ...")
+        wanted = _kind(declared[key])
+        if wanted is not None and not _is(value, wanted):
+            default = declared[key].default
+            raise ConfigError(f"data.task_config.{key}: {name}'s {key} is {_KIND_WORDS[wanted[0]]}"
+                              f"{' or null' if type(None) in wanted else ''}"
+                              f"{'' if default is dataclasses.MISSING else f' (default {default!r})'}, got {value!r}")
+
+
+_KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a text"}
+
+
+def _kind(field: dataclasses.Field) -> tuple[type, ...] | None:
+    """The plain types a config field's annotation allows (int, float, bool or str, optionally None), or None for
+    any other annotation (lists, enums: left to the dataset's own checks) or one its own default does not fit
+    (rearc's diff_ub: int, default 0.2)."""
+    kind, args = field.type, typing.get_args(field.type)
+    if typing.get_origin(kind) is typing.Union and len(args) == 2 and type(None) in args:
+        plain = [a for a in args if a is not type(None)][0]
+        kinds = (plain, type(None)) if plain in _KIND_WORDS else None
+    else:
+        kinds = (kind,) if kind in _KIND_WORDS else None
+    if kinds is None or (field.default is not dataclasses.MISSING and not _is(field.default, kinds)):
+        return None
+    return kinds
+
+
+def _is(value: object, kinds: tuple[type, ...]) -> bool:
+    """Whether `value` is one of `kinds` as YAML gives it: a bool is no number, an int is a float."""
+    if isinstance(value, bool):
+        return bool in kinds
+    return (type(None) in kinds and value is None) or (int in kinds and isinstance(value, int)) \
+        or (float in kinds and isinstance(value, (int, float))) or (str in kinds and isinstance(value, str))
 
 
 def _entries(name: str, size: int, seed: int, config: dict) -> list[dict]:
@@ -58,7 +94,10 @@ def _entries(name: str, size: int, seed: int, config: dict) -> list[dict]:
         data = rg.create_dataset(name, size=size, seed=seed, **config)
         return [data[i] for i in range(size)]
     except (AssertionError, ValueError, TypeError) as e:   # its config checks
-        raise ConfigError(f"data.task_config: reasoning-gym's {name} refused its config: {e}") from None
+        said = str(e) or type(e).__name__
+        named = any(key in said for key in config)   # else: the fields given, for the user to look at
+        raise ConfigError(f"data.task_config: reasoning-gym's {name} refused its config: {said}"
+                          f"{'' if named or not config else f' (given: {config})'}") from None
 
 
 def load_rows(task: str, config: dict, train_size: int, test_size: int, seed: int,

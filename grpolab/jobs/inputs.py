@@ -22,6 +22,7 @@ from ..models.checkpoint import load_model
 from ..models.hf import load_hf, resolve_device
 from ..monitor.console import Console
 from ..rewards import judge
+from ..rewards.combine import check_tests
 from ..rewards.runtime import RewardRuntime
 from ..rollout.tool_decode import build_tool_use
 from ..rollout.tools import load_tools
@@ -68,9 +69,9 @@ def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dic
         train, test = (normalize_rows(r, system_prompt=d.system_prompt, prompt_suffix=d.prompt_suffix,
                                       source=source) if r else r for r in (train, test))   # (no test split)
     elif d.task == "env":   # the environment's first observations, one row per seed; test seeds far from train's
-        train = env_rows(cfg.env.name, d.train_size, cfg.train.seed, d.system_prompt)
+        train = env_rows(cfg.env.name, d.train_size, cfg.train.seed, d.system_prompt, cfg.env.timeout)
         test = env_rows(cfg.env.name, d.test_size if with_test and cfg.eval.num_problems else 0,
-                        cfg.train.seed + reasoning_gym.TEST_SEED_OFFSET, d.system_prompt)
+                        cfg.train.seed + reasoning_gym.TEST_SEED_OFFSET, d.system_prompt, cfg.env.timeout)
     elif d.task.startswith(verifiers_env.TASK_PREFIX):   # one list of tasks: the test rows are data.val_size of it
         train, test = verifiers_env.load_rows(d.task, d.task_config, d.system_prompt), []
         if d.val_size:
@@ -92,6 +93,13 @@ def load_data(cfg: Config, with_test: bool = True) -> tuple[list[dict], list[dic
                                       source=f"data.task={d.task}") for r in (train, test))
     train = train[:d.train_size] if d.train_size else train
     return _with_data_source(train, d), _with_data_source(test, d)
+
+
+def check_eval_rows(cfg: Config, test_rows: list[dict]) -> None:
+    """The held-out eval's check can score its rows: code_exec needs tests in some row, refused as the training
+    reward code_exec is (every completion would score None: every eval metric 0)."""
+    if cfg.eval.num_problems and cfg.eval.reward == "code_exec":
+        check_tests("eval.reward=code_exec", test_rows, list(test_rows[0]) if test_rows else [], "the held-out rows")
 
 
 # verl's name for a dataset, for rows without their own data_source column: verl-style rewards

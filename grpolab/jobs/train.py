@@ -15,11 +15,12 @@ from ..models.checkpoint import load_model
 from ..models.hf import resolve_device
 from ..monitor.console import Console
 from ..train.callbacks import Hooks
+from ..train.eval_rewards import scores_answers
 from ..train.grpo import GRPOTrainer
 from ..train.memory_budget import builtin_shape, check_run_memory
 from ..train.run import Run
 from .common import make_console, model_device, setup_torch, write_run_report
-from .inputs import configure_rewards, fit_prompts, fit_prompts_to, load_data, load_policy
+from .inputs import check_eval_rows, configure_rewards, fit_prompts, fit_prompts_to, load_data, load_policy
 
 
 def build_trainer(cfg: Config, run: Run, console: Console) -> GRPOTrainer:
@@ -30,7 +31,7 @@ def build_trainer(cfg: Config, run: Run, console: Console) -> GRPOTrainer:
     ckpt = run.resume_checkpoint()   # rank 0 finds (and repairs) it; the others take its answer
     configure_rewards(cfg, console)
     train_rows, test_rows = load_data(cfg)
-    said = eval_check_line(cfg)
+    said = eval_check_line(cfg, test_rows)
     if said:
         console.info(said)
     fitted = None
@@ -48,15 +49,25 @@ def build_trainer(cfg: Config, run: Run, console: Console) -> GRPOTrainer:
     train_rows, test_rows = fitted or (fit_prompts(cfg, model, tok, train_rows, console, "train"),
                                        fit_prompts(cfg, model, tok, test_rows, console, "test"))
     trainer = GRPOTrainer(cfg, model, tok, train_rows, test_rows, run.dir, console)
+    check_eval_rows(cfg, test_rows)   # after the training reward's own check of the train rows
+    for line in trainer.eval_said:   # reward functions that cannot score the eval rows
+        console.info(line)
     if ckpt is not None:
         trainer.restore(ckpt, weights=False)   # the policy was loaded from ckpt above
     return trainer
 
 
-def eval_check_line(cfg: Config) -> str | None:
+def eval_check_line(cfg: Config, test_rows: list[dict] | None = None) -> str | None:
     """What the held-out eval scores with, said at start when the training reward is another one: the eval's
-    correctness check (eval.reward) is not the training reward, and a user's own reward is no accuracy."""
-    if not cfg.eval.num_problems or cfg.eval.reward in cfg.reward.functions:
+    correctness check (eval.reward) is not the training reward, and a user's own reward is no accuracy. Held-out
+    rows without answers: no accuracy at all, the reward functions' means only."""
+    if not cfg.eval.num_problems:
+        return None
+    if test_rows is not None and not scores_answers(cfg.eval.reward, test_rows[:cfg.eval.num_problems]):
+        return (f"eval: the held-out rows have no answers, so eval.reward={cfg.eval.reward} scores nothing (no greedy "
+                f"accuracy or pass@k); the eval reports each reward function's mean on its greedy completions "
+                f"(eval/rewards/<name>/mean)")
+    if cfg.eval.reward in cfg.reward.functions:
         return None
     return (f"eval: greedy accuracy and pass@{cfg.eval.k} on {cfg.eval.num_problems} held-out problems are scored "
             f"by eval.reward={cfg.eval.reward} against each row's answer, not by the training reward "
@@ -96,6 +107,7 @@ def _train(cfg: Config, console: Console, hooks: Hooks | None) -> dict:
     elif trainer.world.main:
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         console.result("final eval: " + "  ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    if trainer.world.main:   # with or without an eval
         write_run_report(run_dir, console)
     distributed.barrier()   # all ranks leave together: none tears down the group while rank 0 still writes
     return final

@@ -60,6 +60,11 @@ class Console:
         self.last_accuracy: float | None = None   # the latest held-out greedy accuracy, shown on every step line
         self.hacking = False                      # the reward-hacking flag of the latest eval
 
+    def start_run(self) -> None:
+        """A new run on this console (a pipeline's next stage): the step lines show only its own evals."""
+        self.last_pass1 = self.last_accuracy = None
+        self.hacking = False
+
     @property
     def quiet(self) -> bool:
         return self.level == 0

@@ -36,7 +36,7 @@ from .harness import (
 from .runtime import RewardRuntime
 
 # RewardLog and TrainerState (rewards/calling.py) re-exported: train/scoring.py and train/grpo.py import them here
-__all__ = ["RewardLog", "TrainerState", "check_signatures", "number_mean", "score"]
+__all__ = ["RewardLog", "TrainerState", "check_signatures", "check_tests", "number_mean", "score"]
 
 # the largest float32: rewards, advantages and losses are float32 tensors
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -160,12 +160,8 @@ def check_signatures(names: list[str], column_names: list[str], rows: list[dict]
                       verl_hint(fn))
         if not rows:
             continue
-        if fn is code_exec and all(tests_of(row) is None for row in rows):
-            where = f" of {source}" if source else ""
-            raise RewardError(f"reward function {name!r} runs each row's tests, but no row{where} has any: give a "
-                              f"'test' column (code defining check(candidate), with 'entry_point') or a 'test_cases' "
-                              f"column ([{{\"input\", \"output\"}}, ...]; verl: "
-                              f"reward_model.ground_truth); columns found: {', '.join(map(str, column_names))}")
+        if fn is code_exec:
+            check_tests(f"reward function {name!r}", rows, column_names, source)
         for col in _needed_columns(fn, column_names):
             if all(row.get(col) is None for row in rows):
                 where = f" of {source}" if source else ""
@@ -174,6 +170,17 @@ def check_signatures(names: list[str], column_names: list[str], rows: list[dict]
                        "fill it in, or give the function's parameter a default if it can do without")
                 raise RewardError(f"reward function {name!r} needs the dataset column {col!r}, but none of the "
                                   f"{len(rows)} rows{where} has a value for it; {fix}")
+
+
+def check_tests(who: str, rows: list[dict], column_names: list[str], source: str = "") -> None:
+    """RewardError unless some row has tests: `who` (code_exec as a reward function, or as the eval's check) would
+    score every completion of these rows None (reward NaN, eval accuracy 0)."""
+    if rows and all(tests_of(row) is None for row in rows):
+        where = f" of {source}" if source else ""
+        raise RewardError(f"{who} runs each row's tests, but no row{where} has any: give a 'test' column (code "
+                          f"defining check(candidate), with 'entry_point') or a 'test_cases' column ([{{\"input\", "
+                          f"\"output\"}}, ...]; verl: reward_model.ground_truth); columns found: "
+                          f"{', '.join(map(str, column_names))}")
 
 
 def score(names: list[str], weights: list[float] | None, prompts: list, completions: list[str],

@@ -13,7 +13,8 @@ An episode ends when the environment says done, after env.max_turns turns, or at
 rollout.max_new_tokens): a turn cut by the budget is still stepped, so every turn the model wrote is scored, and
 a reply with no room left after it ends the episode there (its record says `cut`). A reply longer than the whole
 budget stops the run with one line (no episode could hold it), as does an environment that raises, hangs or
-returns a malformed reply or a non-finite reward.
+returns a malformed reply (a message role that is not a chat role included) or a non-finite reward, or calls
+os._exit (envs/calls.py guards every call, close() and the factory's included).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Callable
 import torch
 
 from ..config import Config
+from ..envs.calls import call_envs
 from ..envs.environment import Environment, Reply, check_reply
 from ..envs.load import env_factory
 from ..envs.turns import TurnRenderer
 from ..errors import EnvError
-from ..utils.threads import call_all
 from .fed_rows import FedRows
 
 
@@ -124,8 +125,8 @@ class EpisodeSession(FedRows):
                 if not self.over[i] and int(end[i]) > self.stepped_to[i]]
         for _ in self._step(out, last):
             pass
-        for e in self.envs:
-            e.close()
+        call_envs(self.use.name, [e.close for e in self.envs], [f"episode {i}, close" for i in range(len(self.envs))],
+                  self.use.timeout)
         return {"episodes": [{"turns": self.turns[i], "rewards": list(self.rewards[i]), "reward": sum(self.rewards[i]),
                               "done": self.said_done[i], "cut": self.cut[i]} for i in range(len(self.envs))]}
 
@@ -144,22 +145,15 @@ class EpisodeSession(FedRows):
         return [(i, r) for (i, _), r in zip(ends, replies)]
 
     def _run(self, what: str, jobs: list[tuple[int, str | None]]) -> list:
-        """reset (a new environment per row) or step, for every job at once, each in a daemon thread (a hung
-        environment cannot keep the process alive); EnvError on the first failure, in row order."""
+        """reset (a new environment per row) or step, for every job at once (envs/calls.py: daemon threads under
+        env.timeout, os._exit guarded); EnvError on the first failure, in row order."""
         calls = [(lambda i=i: self._reset(i)) if what == "reset" else (lambda i=i, x=text: self.envs[i].step(x))
                  for i, text in jobs]
-        results = call_all(calls, self.use.timeout, "grpolab-env")
-        out = []
-        for (i, _), (ok, got) in zip(jobs, results):
-            where = f"environment {self.use.name}: episode {i}, {what}" + (f" of turn {self.turns[i] + 1}"
-                                                                          if what == "step" else "")
-            if ok is None:
-                raise EnvError(f"{where}: no answer within env.timeout={self.use.timeout:g}s")
-            if not ok:
-                first = str(got).strip().splitlines()[0] if str(got).strip() else ""
-                raise EnvError(f"{where}: raised {type(got).__name__}: {first}") from got
-            out.append(got if what == "reset" else check_reply(got, where))
-        return out
+        wheres = [f"episode {i}, {what}" + (f" of turn {self.turns[i] + 1}" if what == "step" else "")
+                  for i, _ in jobs]
+        got = call_envs(self.use.name, calls, wheres, self.use.timeout)
+        return got if what == "reset" else [check_reply(r, f"environment {self.use.name}: {w}")
+                                            for r, w in zip(got, wheres)]
 
     def _reset(self, i: int) -> Environment:
         env = self.use.make_env()

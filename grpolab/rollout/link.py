@@ -6,15 +6,27 @@ group: the trainer ranks keep theirs for gradients, and a worker keeps none, so 
               once, each batch's sampling calls, stop. gloo; the weights go over NCCL when they live on GPUs.
     results   one two-member gloo group per worker: its batches back to the trainer (point to point).
 
-A message is a header (int64: kind, batch, version, payload bytes) then the payload: pickled bytes, or
+A message is a header (int64: kind, batch, version, payload bytes) then the payload: sealed bytes, or
 the weight tensors themselves. A peer that dies closes its sockets: the other side's pending call raises
 at once, which is how either side notices (rollout/worker_pool.py, rollout/worker_process.py).
+
+The wire is the run's alone. The workers are always this machine's children, so every socket of it listens
+on loopback only: the store on a socket bound here (torch's TCPStore binds every interface when given a
+port), the gloo groups on a loopback device (not where the hostname or GLOO_SOCKET_IFNAME points). Loopback
+is still shared with the machine's other users, so a payload is sealed with the run's key (a random one the
+trainer hands its workers in their environment, never over a socket): a message without it is refused
+unread. A command or result is then loaded as tensors and plain containers only (torch.load
+weights_only=True); the model, once, as the whole module it is (its classes: LoRA, the dtype), which is
+why it is read only under the key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
-import pickle
+import secrets
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,25 +48,65 @@ def beat_key(worker: int) -> str:
     return f"heartbeat/{worker}"
 
 
+LOOPBACK = "127.0.0.1"
+TAG = 32                       # bytes of a payload's seal (HMAC-SHA256), ahead of the payload
+GLOO_THREADS = 2               # what ProcessGroupGloo(store, rank, size, timeout) gives its one device
+
+
+class LinkError(RuntimeError):
+    """A payload the run's peers did not send (its seal does not match the run's key)."""
+
+
+def new_key() -> bytes:
+    """A run's key: 32 random bytes."""
+    return secrets.token_bytes(32)
+
+
 def host_store(size: int, timeout_s: float = 120.0) -> tdist.TCPStore:
-    """The trainer's store, on a free local port (`.port`); the workers connect with `connect_store`."""
-    return tdist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    """The trainer's store, on a free loopback port (`.port`); the workers connect with `connect_store`.
+    Handed a port, TCPStore listens on every interface, so it gets a socket already bound to loopback."""
+    sock = socket.create_server((LOOPBACK, 0), backlog=128)
+    port = sock.getsockname()[1]
+    # the store owns the socket from here (and closes it)
+    return tdist.TCPStore(LOOPBACK, port, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=sock.detach())
 
 
-def connect_store(host: str, port: int, size: int, timeout_s: float = 120.0) -> tdist.TCPStore:
-    return tdist.TCPStore(host, port, size, False, timeout=timedelta(seconds=timeout_s))
+def connect_store(port: int, size: int, timeout_s: float = 120.0) -> tdist.TCPStore:
+    return tdist.TCPStore(LOOPBACK, port, size, False, timeout=timedelta(seconds=timeout_s))
 
 
-def dumps(obj) -> torch.Tensor:
-    """`obj` as a uint8 tensor (torch.save: tensors inside stay tensors)."""
+def gloo_group(store: tdist.Store, rank: int, size: int) -> tdist.ProcessGroupGloo:
+    """A gloo group whose sockets listen on loopback (its default device listens where the hostname resolves,
+    or on GLOO_SOCKET_IFNAME: any interface)."""
+    opts = tdist.ProcessGroupGloo._Options()
+    opts._devices = [tdist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    opts._timeout = WAIT
+    opts._threads = GLOO_THREADS
+    return tdist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def _tag(key: bytes, data) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def seal(obj, key: bytes) -> torch.Tensor:
+    """`obj` as a uint8 tensor (torch.save: tensors inside stay tensors), its HMAC under `key` ahead of it."""
     buf = io.BytesIO()
-    torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    buf.write(bytes(TAG))
+    torch.save(obj, buf)
+    view = buf.getbuffer()
+    view[:TAG] = _tag(key, view[TAG:])
+    return torch.frombuffer(bytearray(view), dtype=torch.uint8)
 
 
-def loads(t: torch.Tensor):
-    """`dumps`'s inverse; tensors land on the CPU (the receiver moves them where it keeps them)."""
-    return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=False)
+def unseal(t: torch.Tensor, key: bytes, code: bool = False):
+    """`seal`'s inverse; tensors land on the CPU (the receiver moves them where it keeps them). Refused unread
+    (LinkError) unless sealed with `key`; loaded as tensors and plain containers only unless `code` (the model)."""
+    data = t.numpy().tobytes()
+    if len(data) < TAG or not hmac.compare_digest(data[:TAG], _tag(key, memoryview(data)[TAG:])):
+        raise LinkError("a message on the rollout workers' link is not sealed with this run's key; refused unread")
+    return torch.load(io.BytesIO(memoryview(data)[TAG:]), map_location="cpu", weights_only=not code)
 
 
 @dataclass
@@ -66,11 +118,12 @@ class Link:
     weights: tdist.ProcessGroup       # the command group on CPU; NCCL when the weights are on GPUs
     results: dict[int, tdist.ProcessGroup]   # worker rank -> its group with the trainer (ranks 0 and 1 there)
     weights_device: torch.device
+    key: bytes                        # the run's: every payload is sealed with it
 
     @classmethod
-    def join(cls, store: tdist.Store, rank: int, size: int, device: str = "cpu") -> Link:
+    def join(cls, store: tdist.Store, rank: int, size: int, key: bytes, device: str = "cpu") -> Link:
         """Build this process's groups on `store` (every process calls this once; it returns when all have)."""
-        commands = tdist.ProcessGroupGloo(tdist.PrefixStore("commands", store), rank, size, WAIT)
+        commands = gloo_group(tdist.PrefixStore("commands", store), rank, size)
         dev = torch.device(device)
         weights = commands
         if dev.type == "cuda":   # the trainer's and workers' GPUs: the weights never pass through host memory
@@ -78,9 +131,8 @@ class Link:
         results = {}
         for w in range(1, size):
             if rank in (0, w):
-                results[w] = tdist.ProcessGroupGloo(tdist.PrefixStore(f"results/{w}", store), 0 if rank == 0 else 1,
-                                                    2, WAIT)
-        return cls(rank, size, commands, weights, results, dev)
+                results[w] = gloo_group(tdist.PrefixStore(f"results/{w}", store), 0 if rank == 0 else 1, 2)
+        return cls(rank, size, commands, weights, results, dev, key)
 
     # ------------------------------------------------------------ trainer -> workers
     def _broadcast(self, group: tdist.ProcessGroup, t: torch.Tensor) -> None:
@@ -89,8 +141,9 @@ class Link:
         group.broadcast([t], opts).wait()
 
     def send_command(self, kind: int, batch: int = 0, version: int = 0, payload=None) -> None:
-        """Trainer: a command to every worker (payload: any picklable object)."""
-        data = dumps(payload) if payload is not None else torch.zeros(0, dtype=torch.uint8)
+        """Trainer: a command to every worker (payload: tensors and plain containers; the model's: any
+        picklable object)."""
+        data = seal(payload, self.key) if payload is not None else torch.zeros(0, dtype=torch.uint8)
         self._broadcast(self.commands, torch.tensor([kind, batch, version, data.numel()], dtype=torch.int64))
         if data.numel():
             self._broadcast(self.commands, data)
@@ -104,7 +157,7 @@ class Link:
         if n:
             data = torch.empty(n, dtype=torch.uint8)
             self._broadcast(self.commands, data)
-            payload = loads(data)
+            payload = unseal(data, self.key, code=kind == MODEL)
         return kind, batch, version, payload
 
     def broadcast_weights(self, flat: list[torch.Tensor]) -> None:
@@ -116,9 +169,9 @@ class Link:
 
     # ------------------------------------------------------------ workers -> trainer
     def send_result(self, obj) -> None:
-        """Worker: one object to the trainer."""
+        """Worker: one object (tensors and plain containers) to the trainer."""
         g = self.results[self.rank]
-        data = dumps(obj)
+        data = seal(obj, self.key)
         g.send([torch.tensor([data.numel()], dtype=torch.int64)], 0, 0).wait()
         g.send([data], 0, 1).wait()
 
@@ -129,7 +182,7 @@ class Link:
         g.recv([n], 1, 0).wait()
         data = torch.empty(int(n), dtype=torch.uint8)
         g.recv([data], 1, 1).wait()
-        return loads(data)
+        return unseal(data, self.key)
 
 
 def flat_weights(params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -63,6 +63,15 @@ def grammar_text(c: Constraint) -> str:
     raise BadConstraint(f"unknown constraint kind {c.kind!r}; use one of {', '.join(KINDS)}")
 
 
+def _empty(kind: str) -> str:
+    """Why a constraint that no completion satisfies is refused (found as: no first token is allowed)."""
+    if kind == "json":
+        return ("the schema admits no JSON value (no first token is allowed: e.g. a $ref that refers only to "
+                "itself); give a schema some value satisfies")
+    return (f"the {kind} admits no string (no first token is allowed and the empty string is not in it: e.g. a "
+            f"rule that refers only to itself, or an empty character class); give one some text satisfies")
+
+
 class _CharVocab:
     """What llguidance's TokenizerWrapper reads from a tokenizer without a Hugging Face backend (the
     built-in CharTokenizer): each id's bytes (special tokens marked with a leading 0xFF, llguidance's
@@ -116,19 +125,23 @@ class Grammars:
                 error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
                 if error and not error.startswith("WARNING"):
                     raise BadConstraint(error)
-                if c.kind == "json" and not self._can_start(grammar):
-                    raise BadConstraint("the schema admits no JSON value (no first token is allowed: e.g. a $ref "
-                                        "that refers only to itself); give a schema some value satisfies")
+                if not self._can_start(grammar):
+                    raise BadConstraint(_empty(c.kind))
                 self._cache[c] = grammar
             return self._cache[c]
 
     def _can_start(self, grammar: str) -> bool:
-        """Whether a completion under `grammar` can begin with a token other than the stop tokens."""
+        """Whether a completion under `grammar` can begin: a first token other than the stop tokens is allowed,
+        or the empty string is complete. An empty language leaves llguidance's fresh matcher in error, whose
+        mask allows the stop tokens alone (a 200 with an empty completion, before this check)."""
         import llguidance
 
-        allowed = self.masks([llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)], self.tok.vocab_size)
+        m = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if m.is_error():
+            return False
+        allowed = self.masks([m], self.tok.vocab_size)
         allowed[:, list(self.tok.stop_ids)] = False
-        return bool(allowed.any())
+        return bool(allowed.any()) or m.is_accepting()
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         """Each token's raw bytes as llguidance reads the vocabulary (a byte-level BPE token may hold part of a

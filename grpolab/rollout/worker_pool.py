@@ -56,7 +56,8 @@ class WorkerPool:
         self.store = link.host_store(n + 1)
         # heartbeats read over a connection of their own: a client's calls take turns, and the groups' set-up
         # waits on the store for every worker (a stopped one: forever)
-        self.beat_store = link.connect_store("127.0.0.1", self.store.port, n + 1)
+        self.beat_store = link.connect_store(self.store.port, n + 1)
+        self.key = link.new_key()   # the workers get it from their environment, never from a socket
         now = time.monotonic()
         self.beats = {w: (0, now) for w in range(1, n + 1)}   # worker -> (its count, when it last moved)
         self._beats_read = now
@@ -64,7 +65,8 @@ class WorkerPool:
         self.procs: list[subprocess.Popen] = []
         for w in range(1, n + 1):
             env = dict(os.environ, GRPOLAB_WORKERS=str(n), GRPOLAB_WORKER_RANK=str(w),
-                       GRPOLAB_LINK_PORT=str(self.store.port), GRPOLAB_WORKER_THREADS=str(threads),
+                       GRPOLAB_LINK_PORT=str(self.store.port), GRPOLAB_LINK_KEY=self.key.hex(),
+                       GRPOLAB_WORKER_THREADS=str(threads),
                        GRPOLAB_WORKER_DEVICE=devices[w - 1], OMP_NUM_THREADS=str(threads),
                        GRPOLAB_CUDA_DETERMINISTIC="1" if cuda_deterministic else "0")
             # torchrun's variables would make a worker think it is a trainer rank
@@ -90,7 +92,7 @@ class WorkerPool:
 
     def _join(self, device: str) -> link.Link:
         """Build the groups while watching the processes: a worker that fails to start is one line, now."""
-        out = self._watched(link.Link.join, self.store, 0, self.n + 1, device, when="while starting")
+        out = self._watched(link.Link.join, self.store, 0, self.n + 1, self.key, device, when="while starting")
         if isinstance(out, Exception):
             self._check_processes("while starting", wait=REAP_S)
             raise TrainingError(f"rollout workers could not connect: {out}".splitlines()[0])
@@ -130,6 +132,8 @@ class WorkerPool:
                     self.failure = self.failure or f"rollout worker {w}"
                     self.cond.notify_all()
                     return
+                if "gens" in r:   # sent as tensors and plain containers (rollout/link.py)
+                    r["gens"] = [None if g is None else Generation(**g) for g in r["gens"]]
                 self.results[(r["batch"], w)] = r
                 self.cond.notify_all()
 

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import fields
 
 import torch
 
@@ -119,8 +120,10 @@ class Worker:
                 w = self.link.rank - 1
                 parts = [share_of_call(c, w, self.link.size - 1) for c in calls]
                 with torch.inference_mode():
-                    result["gens"] = [None if c is None else sample(self.model, c.pop("prompts"), engine=self.engine,
-                                                                    **c) for c in parts]
+                    gens = [None if c is None else sample(self.model, c.pop("prompts"), engine=self.engine, **c)
+                            for c in parts]
+                # tensors and plain containers: what the trainer's end of the link loads
+                result["gens"] = [None if g is None else {f.name: getattr(g, f.name) for f in fields(g)} for g in gens]
             except NonFiniteLogits:
                 result["error"] = "nonfinite"
             except Exception as e:   # noqa: BLE001 - one line to the trainer, which ends the run with it
@@ -162,10 +165,11 @@ def main() -> int:
             pin_cuda_numerics()
     size = int(env["GRPOLAB_WORKERS"]) + 1
     # the heartbeat on a connection of its own: the groups' set-up below waits on the store for every peer
-    beats = link.connect_store("127.0.0.1", int(env["GRPOLAB_LINK_PORT"]), size)
+    beats = link.connect_store(int(env["GRPOLAB_LINK_PORT"]), size)
     threading.Thread(target=_beat, args=(beats, int(env["GRPOLAB_WORKER_RANK"])), daemon=True).start()
-    store = link.connect_store("127.0.0.1", int(env["GRPOLAB_LINK_PORT"]), size)
-    worker = Worker(link.Link.join(store, int(env["GRPOLAB_WORKER_RANK"]), size, device),
+    store = link.connect_store(int(env["GRPOLAB_LINK_PORT"]), size)
+    key = bytes.fromhex(env.pop("GRPOLAB_LINK_KEY"))   # not handed on to what this process starts (vLLM's)
+    worker = Worker(link.Link.join(store, int(env["GRPOLAB_WORKER_RANK"]), size, key, device),
                     debug=env.get("GRPOLAB_DEBUG") == "1")
     threading.Thread(target=worker.receive, daemon=True).start()
     worker.run()

@@ -33,7 +33,7 @@ from .body_limit import LimitBody
 from .metrics import CONTENT_TYPE, CountRequests
 from .requests import APIError, ChatRequest, CompletionRequest, Server, error_body
 from .responses import respond
-from .tokenize import DetokenizeRequest, TokenizeRequest, encode, token_strs, tokenizer_info
+from .tokenize import DetokenizeRequest, TokenizeRequest, encode, tokenize_body, tokenizer_info
 
 
 def create_app(server: Server) -> FastAPI:
@@ -109,21 +109,13 @@ def create_app(server: Server) -> FastAPI:
             if not r.add_generation_prompt or r.add_special_tokens:
                 raise APIError("messages are tokenized as /v1/chat/completions renders them (with the generation "
                                "prompt, no extra special tokens)", "add_generation_prompt")
-            ids = await server.prepared(server.chat_prompt, ChatRequest(model=server.name, messages=r.messages))
-        else:   # no length check: lm-eval tokenizes whole documents to cut them into context-sized windows
-            ids = await server.prepared(encode, server.tok, r.prompt, r.add_special_tokens is not False)
-        return {"count": len(ids), "max_model_len": server.context, "tokens": ids,
-                "token_strs": token_strs(server.tok, ids) if r.return_token_strs else None}
+        return Response(await server.prepared(tokenized, server, r), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(r: DetokenizeRequest):
         if r.model is not None:
             server._check_model(r.model)
-        vocab = server.tok.vocab_size
-        bad = next((t for t in r.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(f"tokens: {bad} is not a token id of this model (ids are in [0, {vocab}))", "tokens")
-        return {"prompt": server.tok.decode(r.tokens, skip_special=False)}
+        return {"prompt": await server.prepared(detokenized, server.tok, r.tokens)}
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info():
@@ -140,6 +132,24 @@ def create_app(server: Server) -> FastAPI:
     # outermost: a refused key (401) or a malformed body (400) is counted too
     app.add_middleware(CountRequests, metrics=server.metrics, paths={route.path for route in app.routes})
     return app
+
+
+def tokenized(server: Server, r: TokenizeRequest) -> bytes:
+    """/tokenize's response body, run in the preparing thread whole: tokenizing, token strings and the JSON of
+    a document of millions of tokens each take seconds, which on the event loop would hold /health too."""
+    if r.messages is not None:
+        ids = server.chat_prompt(ChatRequest(model=server.name, messages=r.messages))
+    else:   # no length check: lm-eval tokenizes whole documents to cut them into context-sized windows
+        ids = encode(server.tok, r.prompt, r.add_special_tokens is not False)
+    return tokenize_body(server.tok, ids, server.context, r.return_token_strs)
+
+
+def detokenized(tok, ids: list[int]) -> str:
+    """/detokenize's text (a 400 for an id outside the vocabulary), in the preparing thread as /tokenize."""
+    bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise APIError(f"tokens: {bad} is not a token id of this model (ids are in [0, {tok.vocab_size}))", "tokens")
+    return tok.decode(ids, skip_special=False)
 
 
 class RequireKey:

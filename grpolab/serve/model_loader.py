@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.checkpoint import load_model
-from ..models.hf import HFPolicy
+from ..models.hf import HFPolicy, resolve_device
 from ..models.lean_decode import LeanDecoder, unsupported_reason
 from ..models.lora import has_lora
 from .batcher import PREFILL_CHUNK, Batcher
@@ -40,6 +40,9 @@ def load_engine(model_path: str, *, max_batch: int = 64, max_model_len: int | No
         raise ConfigError(f"--prefill-chunk must be 0 (no limit) or at least {BLOCK} tokens, got {prefill_chunk}")
     if kernel_cache < 1:
         raise ConfigError(f"--kernel-cache must be >= 1, got {kernel_cache}")
+    # CUDA this machine lacks is one line naming the flag, as `grpolab train` gives it, before any loading;
+    # "auto" becomes the device it means (a built-in checkpoint's .to() takes no "auto")
+    device = str(resolve_device(device, "--device"))
     bound_kernel_caches(kernel_cache)
     model, tok = load_model(model_path, dtype=dtype, device=device)
     model.eval()

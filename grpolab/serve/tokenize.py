@@ -12,12 +12,17 @@ server's own tokenizer: its "remote" tokenizer backend).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models.tokenizer import BOS, END, PAD
+
+# items serialised per json.dumps call: one call over millions of ids holds the GIL (and with it the event
+# loop, /health too) for a second; between slices the loop's thread gets its turn
+SLICE = 1 << 16
 
 
 class TokenizeRequest(BaseModel):
@@ -64,6 +69,20 @@ def token_strs(tok, ids: list[int]) -> list[str]:
     if hasattr(tok, "tok"):
         return tok.tok.convert_ids_to_tokens(ids)
     return [tok.decode([t], skip_special=False) for t in ids]
+
+
+def json_list(items: list) -> str:
+    """`items` as a compact JSON array (as FastAPI writes it), serialised SLICE items at a time."""
+    return "[" + ",".join(json.dumps(items[i:i + SLICE], ensure_ascii=False, separators=(",", ":"))[1:-1]
+                          for i in range(0, len(items), SLICE)) + "]"
+
+
+def tokenize_body(tok, ids: list[int], context: int, with_strs: bool) -> bytes:
+    """/tokenize's JSON response, built whole in the preparing thread: for a document of millions of tokens
+    FastAPI's own encoding of the dict (jsonable_encoder, then json.dumps) took seconds on the event loop."""
+    strs = json_list(token_strs(tok, ids)) if with_strs else "null"
+    return (f'{{"count":{len(ids)},"max_model_len":{context},"tokens":{json_list(ids)},'
+            f'"token_strs":{strs}}}').encode()
 
 
 def tokenizer_info(tok, context: int) -> dict:

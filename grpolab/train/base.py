@@ -29,7 +29,7 @@ from ..monitor.trackers import Trackers
 from .callbacks import Hooks
 from .finite_step import count_nonfinite, overflowed, params_of, restore, snapshot
 from .master import MasterWeights
-from .run_logs import rewind_logs
+from .run_logs import last_row, rewind_logs
 from .stop import StopFlag
 
 
@@ -58,6 +58,8 @@ class Trainer:
         self.bad_steps = 0
         self.wandb_run_id: str | None = None   # kept in checkpoints: a resumed run continues the same wandb run
         self.final_eval: dict | None = None    # the held-out eval after the last step (train(final_eval=True))
+        # what this step wrote to each jsonl log, kept in its checkpoint: a line torn by a crash is written again
+        self.step_logs: dict[str, list[dict]] = {}
 
     # ------------------------------------------------------------ setup
     def attach_lora(self) -> None:
@@ -99,6 +101,7 @@ class Trainer:
 
     def log_row(self, m: dict, f, trackers, elapsed: float, start_step: int) -> None:
         """A step's row to metrics.jsonl and the trackers (the writing process only)."""
+        self.step_logs = {"metrics.jsonl": [dict(m)]}
         f.write(json.dumps(m) + "\n")
         f.flush()
         trackers.log(m, self.step)
@@ -184,7 +187,8 @@ class Trainer:
         run, files = self.run_dir is not None, self.writes
         self.final_eval = None
         stop, trackers, out = self._run_logs(run, files)
-        pending, pending_at = None, 0   # the last step's row and where it starts in metrics.jsonl
+        # the last step's row and where it starts in metrics.jsonl, for the final eval to be folded into
+        pending, pending_at = self._unevaluated_last_row(final_eval)
         with trackers, out as f, self.progress:
             hooks.begin(self.step, self.max_steps)
             with stop:
@@ -241,6 +245,18 @@ class Trainer:
         # a resumed run appends after the lines its checkpoint already covers
         out = open(self.run_dir / "metrics.jsonl", "a" if self.step else "w") if files else contextlib.nullcontext()
         return stop, trackers, out
+
+    def _unevaluated_last_row(self, final_eval: bool) -> tuple[dict | None, int]:
+        """A run resumed at its last step whose final eval never reached metrics.jsonl (killed during it, or its
+        row rebuilt from the checkpoint): that row and its offset, so the final eval runs now as it would have;
+        else (None, 0). Decided over every rank (the eval is collective)."""
+        if not (final_eval and self.run_dir is not None and self.step and self.step == self.max_steps):
+            return None, 0
+        row, at = last_row(self.run_dir / "metrics.jsonl") if self.writes else (None, 0)
+        missing = row is not None and row.get("step") == self.step and not any(k.startswith("eval/") for k in row)
+        if self._sum(float(missing))[0] == 0:
+            return None, 0
+        return (row if self.writes else {}), at
 
     def _fold_final_eval(self, row: dict, at: int, f, trackers, start: float, start_step: int) -> None:
         """The held-out eval after the last step, kept in `self.final_eval` and folded into that step's
@@ -307,15 +323,17 @@ class Trainer:
                                full_states=full, master_weights=self.master.master if self.master else None,
                                extra=self.checkpoint_extra(),
                                trainer_state={"job": self.job, **self.extra_state(),
-                                              **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {})})
+                                              **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id else {}),
+                                              **({"logs": self.step_logs} if self.step_logs else {})})
         prune_checkpoints(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints)
         return path
 
     def restore(self, ckpt: str | Path, weights: bool = True) -> None:
         """Continue exactly from a checkpoint of this trainer: weights (unless the model was just loaded
         from it), reference, optimizer, scheduler, RNG states, data position, step and wandb run id;
-        metrics.jsonl and samples.jsonl are cut back to that step (TensorBoard's points after it are
-        dropped when training starts again)."""
+        metrics.jsonl and samples.jsonl are cut back to that step, and that step's lines, when a crash tore or
+        lost them, are written again from the checkpoint's copy (TensorBoard's points after it are dropped when
+        training starts again)."""
         state = self.load_state(ckpt, weights)
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -326,6 +344,8 @@ class Trainer:
         self.step = tr["step"]
         self.wandb_run_id = tr.get("wandb_run_id")
         self.restore_extra(tr, Path(ckpt))
+        self.step_logs = tr.get("logs") or {}
         if self.writes:   # the writing process owns the files
             rewind_logs(self.run_dir, self.step, continues=self.step < self.max_steps,
-                        eval_every=self.cfg.train.eval_every)
+                        eval_every=self.cfg.train.eval_every, carried=self.step_logs,
+                        **({"warn": self.console.warn} if self.console is not None else {}))

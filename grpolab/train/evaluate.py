@@ -15,9 +15,11 @@ from ..data.answers import extract_hash_answer, format_number, plain_hash_answer
 from ..data.math_answers import parse_completion
 from ..envs.reasoning_gym import extract_answer
 from ..rewards import get_reward
+from ..rewards.combine import TrainerState
 from ..rewards.runtime import RewardRuntime
 from ..rollout.engine import sample
 from ..rollout.keys import completion_keys
+from .eval_rewards import reward_means, reward_values, scores_answers
 
 EVAL_SALT = 0x65766C   # 'evl'
 
@@ -116,8 +118,11 @@ def score_samples(greedy: list[str], samples: list[str], answers: list[str | int
 def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 512, seed: int = 0,
              reward: str = "gsm8k_accuracy", row_ids: list[int] | None = None, tools=None, engine=None,
-             runtime: RewardRuntime | None = None) -> dict:
-    """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k.
+             runtime: RewardRuntime | None = None, functions: list[str] | None = None,
+             state: TrainerState | None = None) -> dict:
+    """Greedy accuracy and, with k > 1 samples at `temperature`, pass@1..k and maj@k; with `functions` (reward
+    specs, called with `state` as trainer_state), each one's mean on the greedy completions: rewards/<name>/mean
+    (eval_rewards.py). Rows without answers under an answer-reading check: no accuracy, no samples.
 
     `reward` names the correctness check (gsm8k_accuracy or math_accuracy). maj@k takes
     the most common final answer among the k samples and counts it right when the samples
@@ -136,14 +141,19 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
     calls: list[list[dict]] = []
     episodes: dict[str, list] = {"greedy": [], "samples": []}   # in an environment: each completion's episode
     bind = (lambda lo, hi: None) if tools is None else (lambda lo, hi: tools.bind(rows[lo:hi]))  # noqa: E731
+    rewarded: list[dict] = []   # per problem: its greedy completion's reward per function
     for lo in range(0, len(prompts), batch_size):
         gen = sample(model, prompts[lo:lo + batch_size], engine=engine, num_generations=1,
                      max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=stop, pad_id=tokenizer.pad_id,
                      tools=bind(lo, lo + batch_size))
-        greedy += _decode(tokenizer, gen, calls)
+        texts = _decode(tokenizer, gen, calls)
+        greedy += texts
         episodes["greedy"] += gen.episodes or []
+        rewarded += reward_values(functions or [], model, tokenizer, rows[lo:lo + batch_size], texts, gen,
+                                  runtime=runtime, state=state)
     samples: list[str] = []
-    if k > 1:
+    scored = scores_answers(reward, rows)
+    if k > 1 and scored:
         per = max(1, batch_size // k)
         for start in range(0, len(prompts), per):
             chunk = prompts[start:start + per]
@@ -155,30 +165,44 @@ def evaluate(model, tokenizer, rows: list[dict], *, k: int = 8, temperature: flo
                          tools=bind(start, start + per))
             samples += _decode(tokenizer, gen)
             episodes["samples"] += gen.episodes or []
-    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows, runtime, episodes)
+    out, greedy_ok = score_samples(greedy, samples, answers, k if samples else 1, reward, rows, runtime, episodes) \
+        if scored else ({}, [None] * len(rows))
+    out.update(reward_means(rewarded))
     if calls:
         out["tool_calls_per_completion"] = sum(map(len, calls)) / max(1, len(calls))
-    eg, es = episodes["greedy"], episodes["samples"]
-    out["samples"] = [{"prompt": r["prompt"], "answer": r.get("answer"), "greedy": g, "greedy_correct": bool(ok_),
-                       **({"greedy_tool_calls": calls[i]} if calls else {}),
-                       **({"greedy_episode": eg[i]} if eg else {}),
-                       **({"samples": samples[i * k:(i + 1) * k]} if samples else {}),
-                       **({"sample_episodes": es[i * k:(i + 1) * k]} if es else {})}
-                      for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]
+    out["samples"] = _records(rows, greedy, greedy_ok, rewarded, calls, samples, episodes, k)
     return out
 
 
+def _records(rows: list[dict], greedy: list[str], greedy_ok: list, rewarded: list[dict], calls: list,
+             samples: list[str], episodes: dict[str, list], k: int) -> list[dict]:
+    """One record per problem: its prompt, answer, greedy completion (scored, rewarded, its tool calls and
+    episode) and its k samples."""
+    eg, es = episodes["greedy"], episodes["samples"]
+    return [{"prompt": r["prompt"], "answer": r.get("answer"), "greedy": g,
+             "greedy_correct": None if ok_ is None else bool(ok_),
+             **({"greedy_rewards": rewarded[i]} if rewarded[i] else {}),
+             **({"greedy_tool_calls": calls[i]} if calls else {}),
+             **({"greedy_episode": eg[i]} if eg else {}),
+             **({"samples": samples[i * k:(i + 1) * k]} if samples else {}),
+             **({"sample_episodes": es[i * k:(i + 1) * k]} if es else {})}
+            for i, (r, g, ok_) in enumerate(zip(rows, greedy, greedy_ok))]
+
+
 def evaluate_ranks(model, tokenizer, rows: list[dict], cfg: Config, world: dist.World, tools=None,
-                   engine=None, runtime: RewardRuntime | None = None) -> dict:
-    """`evaluate` of the trainer's held-out rows with its eval.* settings. With several ranks each evaluates
-    every N-th problem and the metrics are taken over all of them (every rank gets the same numbers)."""
+                   engine=None, runtime: RewardRuntime | None = None, functions: list[str] | None = None,
+                   state: TrainerState | None = None) -> dict:
+    """`evaluate` of the trainer's held-out rows with its eval.* settings (and `functions`' reward means). With
+    several ranks each evaluates every N-th problem and the metrics are taken over all of them (every rank gets
+    the same numbers)."""
     e = cfg.eval
     ids = list(range(world.rank, len(rows), world.size))   # every N-th problem (all of them in one process)
     res = {"samples": []}
     if ids:
         res = evaluate(model, tokenizer, [rows[i] for i in ids], k=e.k, temperature=e.temperature,
                        max_new_tokens=cfg.rollout.max_new_tokens, batch_size=e.batch_size, seed=cfg.train.seed,
-                       reward=e.reward, row_ids=ids, tools=tools, engine=engine, runtime=runtime)
+                       reward=e.reward, row_ids=ids, tools=tools, engine=engine, runtime=runtime,
+                       functions=functions, state=state)
     samples = res.pop("samples")
     if world.size == 1:
         return res
@@ -187,7 +211,9 @@ def evaluate_ranks(model, tokenizer, rows: list[dict], cfg: Config, world: dist.
     episodes = {"greedy": [r.get("greedy_episode") for r in recs],
                 "samples": [x for r in recs for x in r.get("sample_episodes", [])]}
     out, _ = score_samples([r["greedy"] for r in recs], [s for r in recs for s in r.get("samples", [])],
-                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)], runtime, episodes)
+                           [r["answer"] for r in recs], k, e.reward, rows[:len(recs)], runtime, episodes) \
+        if scores_answers(e.reward, rows) else ({}, [])
+    out.update(reward_means([r.get("greedy_rewards", {}) for r in recs]))
     if "greedy_tool_calls" in recs[0]:
         out["tool_calls_per_completion"] = sum(len(r["greedy_tool_calls"]) for r in recs) / len(recs)
     return out

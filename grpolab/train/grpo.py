@@ -43,6 +43,7 @@ from .base import Trainer
 from .batch_advantages import advantages, scorable
 from .collect import collect
 from .critic import CriticTrainer
+from .eval_rewards import eval_functions
 from .evaluate import evaluate_ranks
 from .logprob_passes import LogProbPasses
 from .memory_budget import check_run_memory, model_shape
@@ -76,6 +77,11 @@ class GRPOTrainer(Trainer):
                          talk=console is not None and self.world.main and getattr(console, "level", 0) >= 1)
         self.max_steps = cfg.train.max_steps
         self.test_rows = test_rows[:cfg.eval.num_problems]
+        # the reward functions the eval scores its greedy completions with (eval/rewards/<name>/mean), and a line
+        # for each that cannot score the eval rows
+        self.eval_functions, self.eval_said = eval_functions(cfg.reward.functions, self.test_rows)
+        if console is not None:
+            console.start_run()   # no eval numbers of an earlier run on this console's step lines
         # reward hacking: held-out accuracy falling while the training reward does not (monitor/reward_hacking.py)
         self.watch, self.watch_seeded = Watch(len(self.test_rows)), False
         self.wants_policy = any(wants_policy(f) for f in cfg.reward.functions)   # intrinsic rewards (policy-reading)
@@ -198,7 +204,7 @@ class GRPOTrainer(Trainer):
         engine = self.source.engine_for_eval(self.model, self.step)
         with sharding.full_weights(self.model):
             return evaluate_ranks(self.model, self.tok, self.test_rows, self.cfg, self.world, self.tools, engine,
-                                  self.runtime)
+                                  self.runtime, self.eval_functions, self.trainer_state())
 
     def train_step(self) -> dict:
         self._seed_watch()
@@ -253,6 +259,7 @@ class GRPOTrainer(Trainer):
     def eval_row(self, res: dict) -> dict:
         """eval/* and the reward-hacking watch's watch/reward_hacking (0/1) and watch/greedy_accuracy_stderr."""
         row = {f"eval/{k}": v for k, v in res.items()}
+        self._seed_watch()   # a resumed run's final eval, with no step run since the checkpoint, is watched too
         if "greedy_accuracy" in res:
             watched, verdict = self.watch.add_eval(self.step, res["greedy_accuracy"])
             row.update(watched)
@@ -275,6 +282,7 @@ class GRPOTrainer(Trainer):
         if every and (self.step % every == 0 or self.step in (1, t.max_steps)):
             records = sample_records(self.last_batch, self.step, self.cfg.log.samples_per_step, self._reward_name)
             append_samples(self.run_dir / "samples.jsonl", records)
+            self.step_logs["samples.jsonl"] = records   # the step's checkpoint keeps them (run_logs.py)
             if self.console is not None:
                 self.console.samples(self.step, records)
         if self.console is not None and (self.step % t.log_every == 0 or self.step == t.max_steps):

@@ -94,6 +94,19 @@ class Run:
         _HELD[key] = f
 
 
+def held_lock(run_dir: str | Path) -> int | None:
+    """The file descriptor of this process's lock on `run_dir`, or None."""
+    f = _HELD.get(str(Path(run_dir).resolve()))
+    return None if f is None else f.fileno()
+
+
+def adopt_lock(run_dir: str | Path, fd: int) -> None:
+    """Hold `run_dir` through `fd`, the lock's file inherited from the process that took it (a flock belongs to
+    the open file, so parent and child hold the same lock): the Python API's trainer takes it before it writes the
+    run's inputs, then may run the job in a child (api/child.py)."""
+    _HELD[str(Path(run_dir).resolve())] = os.fdopen(fd, "a+")
+
+
 def _drop_if_unstarted(run_dir: Path, before: set[str]) -> None:
     """At exit: a run refused while it was being set up (its data, reward, model) wrote only config.yaml and
     the lock beside what `before` names; remove config.yaml (and the directory, when only the lock was

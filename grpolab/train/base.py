@@ -345,7 +345,10 @@ class Trainer:
         self.wandb_run_id = tr.get("wandb_run_id")
         self.restore_extra(tr, Path(ckpt))
         self.step_logs = tr.get("logs") or {}
+        # its lines come back only into the run it was saved in (a checkpoint started from in another directory
+        # begins that run's logs after its step)
+        own = Path(ckpt).resolve().parent.parent == Path(self.run_dir).resolve() if self.run_dir else False
         if self.writes:   # the writing process owns the files
             rewind_logs(self.run_dir, self.step, continues=self.step < self.max_steps,
-                        eval_every=self.cfg.train.eval_every, carried=self.step_logs,
+                        eval_every=self.cfg.train.eval_every, carried=self.step_logs if own else {},
                         **({"warn": self.console.warn} if self.console is not None else {}))

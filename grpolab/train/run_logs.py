@@ -41,7 +41,10 @@ def rewind_logs(run_dir: Path, step: int, *, continues: bool, eval_every: int, c
 def restore_step(path: Path, step: int, records: list[dict]) -> None:
     """A log already cut back to `step`: when it holds fewer lines of `step` than `records` (the ones that step
     wrote, as its checkpoint keeps them), its lines of `step` are replaced by `records`; rewritten atomically."""
-    lines = path.read_text().splitlines() if path.exists() else []
+    records = [r for r in records if isinstance(r, dict) and r.get("step") == step]
+    if not records or not path.exists():
+        return
+    lines = path.read_text().splitlines()
     if sum(_log_step(ln) == step for ln in lines) >= len(records):
         return
     keep = [ln for ln in lines if _log_step(ln) != step]

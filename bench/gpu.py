@@ -1,7 +1,7 @@
 """grpolab on one NVIDIA GPU: rollout decode against transformers' `generate`, batch independence and
 run-to-run exactness of the graph path, a GRPO step's split, two identical GRPO runs plus a resume,
-TRL's GRPO step on the same card (where trl is importable), the decode kernels alone, and where a
-replayed decode step's time goes.
+TRL's GRPO step on the same card (where trl is importable), the decode kernels alone, where a
+replayed decode step's time goes, and continuous refill (`refill`: a long-tailed rollout on fewer slots).
 
 Random weights (timing and exactness do not need trained ones) in bfloat16, two model shapes:
   * smollm2: SmolLM2-135M-Instruct's own config.json (30 layers, GQA 9/3, tied head) and, for the GRPO
@@ -18,7 +18,7 @@ Tokens/s count the tokens each row keeps. `ms_per_step` is a fixed-length run's 
 steps (prefill included); `floor_ms` is the memory-bandwidth floor of one step at the batch's mean
 context (weights + the KV cache read once at the card's peak bandwidth), `of_floor` their ratio.
 
-    python bench/gpu.py --out DIR [--assets DIR] [--sections env,kernels,invariance,decode,grpo,trl,profile]
+    python bench/gpu.py --out DIR [--assets DIR] [--sections env,kernels,invariance,decode,grpo,trl,profile,refill]
                         [--runs 2] [--shapes smollm2,qwen1.5b] [--regimes fixed,rl] [--engines graph,graph64,eager,hf]
 
 One JSON object per line on stdout and in DIR/gpu.jsonl. Needs a CUDA device; never run by the tests.
@@ -219,6 +219,56 @@ def section_decode(args):
         torch.cuda.empty_cache()
 
 
+REFILL_PROMPTS, REFILL_NEW = 64, 1024
+
+
+def section_refill(args):
+    """Continuous refill: 64 prompts x 8 samples with RL-like lengths up to 1,024 tokens (16 + 1008 u^3), the
+    slotted decode with every row in a slot at once against 128 slots refilled as rows finish (and, beside
+    them, the same rows at a fixed 1,024 tokens); tokens/s, and whether the refilled completions equal the
+    all-at-once ones."""
+    for shape in args.shapes.split(","):
+        model, policy, eos, _ = decode_setup(shape, args)
+        g = torch.Generator().manual_seed(2)
+        prompts = torch.randint(100, model.config.vocab_size - 1, (REFILL_PROMPTS, PROMPT_LEN), generator=g).tolist()
+        n = REFILL_PROMPTS * SAMPLES
+        u = torch.rand(n, generator=g)
+        lengths = (16 + (REFILL_NEW - 16) * u ** 3).long()
+        lengths[int(lengths.argmax())] = REFILL_NEW
+        keys = completion_keys(0, torch.arange(REFILL_PROMPTS).repeat_interleave(SAMPLES),
+                               torch.arange(SAMPLES).repeat(REFILL_PROMPTS))
+        kw = dict(num_generations=SAMPLES, max_new_tokens=REFILL_NEW, temperature=1.0, top_k=0, top_p=1.0,
+                  stop_ids=(), pad_id=eos, keys=keys)
+        runs = {"all_rl": dict(budgets=lengths), "slots128_rl": dict(budgets=lengths, max_slots=128),
+                "all_fixed": dict(budgets=None)}
+        rec = {"section": "refill", "shape": shape, "rows": n, "mean_len": round(float(lengths.float().mean()), 1)}
+        outs = {}
+        for k, extra in runs.items():
+            try:
+                slot_decode.generate(policy, prompts, **kw, **extra)   # capture, at the timed shape
+                times = []
+                for _ in range(args.runs):
+                    out, s = timed(lambda: slot_decode.generate(policy, prompts, **kw, **extra))
+                    times.append(s)
+                outs[k] = out
+                med = statistics.median(times)
+                rec[f"{k}_tok_s"] = round(int(out.completion_mask.sum()) / med)
+                rec[f"{k}_s"] = round(med, 3)
+                rec[f"{k}_steps"] = slot_decode.last_split(policy)["steps"]
+            except Exception as e:   # one run's failure must not cost the others' figures
+                rec[f"{k}_error"] = f"{type(e).__name__}: {e}"
+                rec[f"{k}_traceback"] = traceback.format_exc()[-1500:]
+        if "all_rl" in outs and "slots128_rl" in outs:
+            a, b = outs["all_rl"], outs["slots128_rl"]
+            rec["refill_same_completions"] = bool(torch.equal(a.completion_ids, b.completion_ids)
+                                                  and torch.equal(a.sampler_logprobs, b.sampler_logprobs))
+            rec["refill_speedup"] = round(rec["slots128_rl_tok_s"] / rec["all_rl_tok_s"], 2)
+        emit(rec)
+        model = policy = outs = None
+        slot_decode._DECODERS.clear()
+        torch.cuda.empty_cache()
+
+
 def _kernel_table(prof, path: Path, steps: int) -> dict:
     """Per-step GPU kernel time by kernel name, from a profile's chrome trace (kernels inside graph replays
     included where CUPTI reports them)."""
@@ -267,7 +317,7 @@ def section_profile(args):
                 R = dec.shape.rows
 
                 def restart() -> None:   # every row live at the prompt's length, the step counter at 0
-                    dec.t.zero_()
+                    dec.pos.zero_()
                     dec.cache.lens.fill_(PROMPT_LEN)
 
                 with torch.inference_mode():
@@ -556,7 +606,7 @@ def main() -> None:
     from grpolab.determinism import pin_cuda_numerics
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts, as grpolab's jobs set it
     sections = {"invariance": section_invariance, "decode": section_decode, "grpo": section_grpo,
-                "profile": section_profile, "kernels": section_kernels, "trl": section_trl}
+                "profile": section_profile, "kernels": section_kernels, "trl": section_trl, "refill": section_refill}
     for name in args.sections.split(","):
         t = time.perf_counter()
         try:

@@ -11,7 +11,7 @@ rollout: the first --prompts held-out GSM8K-easy chat prompts x G=8 samples, tem
   variable lengths (row r stops at L_r = 16 + (max-16) u^3, bench/rollout.py's `rl_lengths`). Useful
   tokens/s of grpolab's engine (`generate`, which always returns the sampler's log-probs; bench/rollout.py's
   `m_ours`) and of vLLM in this process through grpolab's own wrapper (rollout/vllm_engine.py, what
-  rollout.engine=vllm trains with: one request per completion, each with its own seed, prefix caching,
+  rollout.source=vllm trains with: one request per completion, each with its own seed, prefix caching,
   logprobs=0 in processed_logprobs mode, 1 GiB for keys and values; the variable regime sends the same requests
   with max_tokens=L_r).
   vLLM's prefix cache is emptied before every timed call (a training step's prompts are new and its
@@ -21,7 +21,7 @@ rollout: the first --prompts held-out GSM8K-easy chat prompts x G=8 samples, tem
   shorter fixed rollout on each side (vLLM runs in this process, so its kernels show up too).
 grpo_step: `grpolab train` (the CLI, a subprocess) in bench/_smollm2.py's setting (LoRA r16, 4 prompts x
   8, at most --max-new tokens, every completion run to the cap: rollout.ignore_eos, so both engines do
-  the same work; train.threads=1; eval of one problem) with rollout.engine=builtin and =vllm, alternating;
+  the same work; train.threads=1; eval of one problem) with rollout.source=builtin and =vllm, alternating;
   medians over steps 2..N (step 1 includes start-up) of metrics.jsonl's time/step, time/generate,
   time/weight_sync (inside time/generate), time/reward, time/ref_and_advantages, time/update.
 serving: `grpolab serve` and vLLM's OpenAI API server (python -m vllm.entrypoints.openai.api_server) on
@@ -314,7 +314,7 @@ def grpo_section(args, model: Path, work: Path) -> dict:
         for engine in ("builtin", "vllm"):
             out = work / f"grpo-{engine}-{i}"
             shutil.rmtree(out, ignore_errors=True)
-            cmd = [sys.executable, "-m", "grpolab.cli", "train", str(cfg_path), f"rollout.engine={engine}",
+            cmd = [sys.executable, "-m", "grpolab.cli", "train", str(cfg_path), f"rollout.source={engine}",
                    f"train.output_dir={out}", f"train.max_steps={args.grpo_steps}", "train.threads=1",
                    "vllm.gpu_memory_utilization=0.1"]
             l0 = load1()
@@ -330,7 +330,7 @@ def grpo_section(args, model: Path, work: Path) -> dict:
                          "completion_len": [r.get("completions/mean_length")
                                             for r in steps]})
             log(f"grpo {engine} round {i}: {wall:.0f}s, step times {[x.get('time/step') for x in runs[-1]['steps']]}")
-    res = {"cmd": " ".join(cmd[:4] + ["<grpo.yaml>", "rollout.engine=builtin|vllm"] + cmd[6:]),
+    res = {"cmd": " ".join(cmd[:4] + ["<grpo.yaml>", "rollout.source=builtin|vllm"] + cmd[6:]),
            "config": {"setting": "bench/_smollm2.py ours_config: LoRA r16, 4 prompts x 8, GSM8K-easy, beta 0, "
                                  "micro-batch 8, rollout.ignore_eos=true", "max_new": args.max_new,
                       "max_steps": args.grpo_steps, "threads": 1},

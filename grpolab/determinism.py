@@ -31,8 +31,11 @@ burned ~4x the CPU. `OMP_WAIT_POLICY=PASSIVE` makes idle workers sleep at once (
 0), which costs an idle machine a wake-up per region: the Python API's SmolLM2 example ran 15-40 % slower
 per step than with the default. `GOMP_SPINCOUNT=3000` (with the passive policy: GOMP_SPINCOUNT wins in
 libgomp) lets a worker spin for about 30 us, long enough to catch the next region of a step's back-to-back
-operations, too short to take much from another process (bench/api_import_order.py; docs/python-api.md
-has the numbers). `KMP_BLOCKTIME=0` is the passive policy for builds on Intel's OpenMP (libiomp5). How
+operations; beside a CPU burner that spin still cost the same example 25-40 % per step against none. No one
+spin count is best for both, so importing grpolab looks at the machine for 30 ms (/proc/stat): when other
+processes keep half a core or more busy, workers sleep at once (GOMP_SPINCOUNT=0), else they spin 3000 times
+(bench/api_import_order.py; docs/python-api.md has the numbers). The choice holds for the process's life (the
+runtime reads it once). `KMP_BLOCKTIME=0` is the passive policy for builds on Intel's OpenMP (libiomp5). How
 threads wait changes no arithmetic: the bits are the same (tests/test_threads.py; bench/threads.py
 measures the speed).
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 # Read by MKL at its first call, so it is set when grpolab is imported (grpolab/__init__.py);
 # a value the user exported wins.
@@ -49,6 +53,10 @@ MKL_ENV = {"MKL_CBWR": "AUTO", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
 # before anything imports torch. When the user exported any of them, none is set: their choice wins
 # (OMP_WAIT_POLICY=ACTIVE brings the spinning back, e.g. for a dedicated machine).
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "0"}
+# how long importing grpolab samples the machine's load, and from how many cores kept busy by other processes on
+# idle workers sleep at once instead of spinning
+BUSY_PROBE_S = 0.03
+BUSY_CORES = 0.5
 
 
 # Whether torch (and with it the OpenMP runtime) was loaded before grpolab, with none of OPENMP_ENV exported: the
@@ -57,13 +65,41 @@ OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000", "KMP_BLOCK
 OPENMP_MISSED = False
 
 
+def busy_cores(interval: float = BUSY_PROBE_S) -> float | None:
+    """How many cores other processes kept busy over `interval` seconds, from /proc/stat's counters (user to
+    steal) less this process's own (its other threads'; the caller sleeps meanwhile), in the same clock ticks;
+    None where they cannot be read."""
+    def counters() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:   # utime and stime, after the command name (which may hold spaces)
+            own = f.read().rpartition(")")[2].split()
+        return sum(v) - v[3] - v[4] - int(own[11]) - int(own[12]), sum(v)   # busy elsewhere, all
+
+    try:
+        busy0, all0 = counters()
+        time.sleep(interval)
+        busy1, all1 = counters()
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(busy1 - busy0, 0) / max(all1 - all0, 1) * (os.cpu_count() or 1)
+
+
+def openmp_env(busy: float | None) -> dict[str, str]:
+    """The wait settings for a machine whose other processes keep `busy` cores busy (None: unknown): no spin on
+    a busy machine, a short one on an idle one."""
+    if busy is not None and busy >= BUSY_CORES:
+        return {**OPENMP_ENV, "GOMP_SPINCOUNT": "0"}
+    return dict(OPENMP_ENV)
+
+
 def set_reproducible_env() -> None:
     """Set the MKL/OpenMP reproducibility and wait-policy variables unless the user set them
     (before torch is imported: the OpenMP runtime reads them when it is loaded)."""
     global OPENMP_MISSED
     users = any(k in os.environ for k in OPENMP_ENV)
     OPENMP_MISSED = "torch" in sys.modules and not users
-    for k, v in {**MKL_ENV, **({} if users else OPENMP_ENV)}.items():
+    for k, v in {**MKL_ENV, **({} if users else openmp_env(busy_cores()))}.items():
         os.environ.setdefault(k, v)
 
 

@@ -5,14 +5,18 @@ import math
 import pytest
 import torch
 
-from grpolab.algorithms.advantages import SCALE_REWARDS
-from grpolab.algorithms.aggregate import AGG_MODES, aggregate
-from grpolab.algorithms.estimators import ADV_ESTIMATORS, compute_advantages
-from grpolab.algorithms.kl import KL_ESTIMATORS, apply_kl_in_reward, kl_penalty
-from grpolab.algorithms.losses import POLICY_LOSSES, compute_policy_loss
+from grpolab.algorithms.aggregate import aggregate
+from grpolab.algorithms.estimators import compute_advantages, get_estimator
+from grpolab.algorithms.kl import apply_kl_in_reward, kl_penalty
+from grpolab.algorithms.losses import compute_policy_loss
 from grpolab.algorithms.ref_sync import ref_sync
 from grpolab.algorithms.shaping import dynamic_sampling_keep, overlong_penalty
+from grpolab.config.names import ADV_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, SCALE_REWARDS, load
 from grpolab.config.presets import PRESET_KEYS, PRESETS, apply_preset
+
+
+def policy_loss(name: str):
+    return load(POLICY_LOSSES, name, "algorithm.policy_loss")
 
 
 def test_grpo_advantages_match_plain_zscore():
@@ -173,9 +177,9 @@ def _adv(estimator, **opts):
 def test_registered_names():
     assert set(ADV_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_baseline", "grpo_passk", "gae",
                                    "reinforce_plus_plus", "remax"}
-    assert {n for n, e in ADV_ESTIMATORS.items() if e.token_level} == {"gae", "reinforce_plus_plus", "remax"}
-    assert [n for n, e in ADV_ESTIMATORS.items() if e.critic] == ["gae"]
-    assert [n for n, e in ADV_ESTIMATORS.items() if e.greedy] == ["remax"]
+    assert {n for n in ADV_ESTIMATORS if get_estimator(n).token_level} == {"gae", "reinforce_plus_plus", "remax"}
+    assert [n for n in ADV_ESTIMATORS if get_estimator(n).critic] == ["gae"]
+    assert [n for n in ADV_ESTIMATORS if get_estimator(n).greedy] == ["remax"]
     assert set(POLICY_LOSSES) == {"clip", "gspo", "reinforce", "cispo"}
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert set(AGG_MODES) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}
@@ -252,7 +256,7 @@ def test_grpo_passk_only_the_best_learns(scale):
     assert tied.abs().max() == 0
 
 
-@pytest.mark.parametrize("estimator", sorted(n for n, e in ADV_ESTIMATORS.items() if not e.token_level))
+@pytest.mark.parametrize("estimator", sorted(n for n in ADV_ESTIMATORS if not get_estimator(n).token_level))
 def test_every_estimator_identical_group_and_singleton_are_zero_and_opts_ignored(estimator):
     opts = dict(eps=1e-6, unbiased_std=True, scale_rewards="group", not_an_option=123)
     got = _adv(estimator, **opts)
@@ -266,7 +270,7 @@ def test_every_estimator_identical_group_and_singleton_are_zero_and_opts_ignored
 
 
 def test_unknown_estimator_and_scale_raise():
-    with pytest.raises(ValueError, match="known: grpo"):
+    with pytest.raises(ValueError, match="adv_estimator: 'ppo' is not one of grpo, "):
         _adv("ppo")
     with pytest.raises(ValueError, match="scale_rewards"):
         _adv("grpo", scale_rewards="global")
@@ -299,7 +303,7 @@ def test_token_losses_match_formula_far_outside_the_range(name, c):
     adv = [1.5, -2.0, 1.0, -0.5, 0.7, -1.0, 4.0]
     msk = [1, 1, 1, 1, 1, 1, 0]
     logp = torch.tensor([lp], requires_grad=True)
-    mat, info = POLICY_LOSSES[name](logp, torch.tensor([old]), torch.tensor([adv]), torch.tensor([msk]),
+    mat, info = policy_loss(name)(logp, torch.tensor([old]), torch.tensor([adv]), torch.tensor([msk]),
                                     epsilon=0.2, epsilon_high=0.28, clip_ratio_c=c)
     want = [_plain_loss(name, *x, c=c) if m else 0.0 for *x, m in zip(lp, old, adv, msk)]
     torch.testing.assert_close(mat[0], torch.tensor(want), atol=1e-5, rtol=1e-5)
@@ -320,7 +324,7 @@ def test_dual_clip_binds_only_for_negative_advantages():
     logp = torch.tensor([[LN5, LN5, LN001]])
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, -2.0, -2.0]])
-    mat, _ = POLICY_LOSSES["clip"](logp, old, adv, torch.ones(1, 3), epsilon=0.2, epsilon_high=0.28, clip_ratio_c=3.0)
+    mat, _ = policy_loss("clip")(logp, old, adv, torch.ones(1, 3), epsilon=0.2, epsilon_high=0.28, clip_ratio_c=3.0)
     torch.testing.assert_close(mat[0], torch.tensor([-1.28, 6.0, 2 * 0.8]))
 
 
@@ -351,7 +355,7 @@ def _gspo_case():
 def test_gspo_loss_matches_sequence_ratio_formula():
     logp, old, adv, mask = _gspo_case()
     eps_lo, eps_hi = 3e-4, 4e-4
-    mat, info = POLICY_LOSSES["gspo"](logp, old, adv[:, None], mask, epsilon=eps_lo, epsilon_high=eps_hi)
+    mat, info = policy_loss("gspo")(logp, old, adv[:, None], mask, epsilon=eps_lo, epsilon_high=eps_hi)
     want, lows, highs = _plain_gspo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), eps_lo, eps_hi)
     torch.testing.assert_close(mat, torch.tensor(want), atol=1e-6, rtol=1e-5)
     assert info["clip_low"].tolist() == lows and info["clip_high"].tolist() == highs
@@ -439,7 +443,7 @@ def test_masked_positions_give_zero_loss_and_gradient_without_nan(name, mode):
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     adv = torch.tensor([1.0, -1.0, float("nan")])
     logp.requires_grad_(True)
-    mat, _ = POLICY_LOSSES[name](logp, old, adv[:, None], mask, epsilon=0.2, epsilon_high=0.28, clip_ratio_c=3.0)
+    mat, _ = policy_loss(name)(logp, old, adv[:, None], mask, epsilon=0.2, epsilon_high=0.28, clip_ratio_c=3.0)
     assert torch.isfinite(mat).all() and (mat[mask == 0] == 0).all()
     loss, _ = compute_policy_loss(logp, old, adv, mask, policy_loss=name, loss_agg_mode=mode, max_new_tokens=3,
                                   clip_ratio_c=3.0)
@@ -470,7 +474,7 @@ def test_all_masked_batch_gives_zero_loss():
 
 def test_unknown_policy_loss_raises():
     z = torch.zeros(1, 2)
-    with pytest.raises(ValueError, match="known: clip"):
+    with pytest.raises(ValueError, match="policy_loss: 'ppo2' is not one of clip, "):
         compute_policy_loss(z, z, torch.ones(1), torch.ones(1, 2), policy_loss="ppo2")
 
 

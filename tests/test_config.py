@@ -2,7 +2,7 @@ import pytest
 from conftest import run_cli
 
 from grpolab.config import Config
-from grpolab.config.load import load_config
+from grpolab.config.load import config_from_dict, load_config
 from grpolab.errors import ConfigError
 
 
@@ -110,3 +110,68 @@ def test_override_text_keeps_hash_signs():
     cfg = load_config(None, ['data.prompt_suffix=Answer after ####.', "data.system_prompt='quoted # text'"])
     assert cfg.data.prompt_suffix == "Answer after ####."
     assert cfg.data.system_prompt == "quoted # text"
+
+
+NOTICE = "grpolab: rollout.engine is now rollout.source (read as rollout.source={})"
+
+
+def test_a_renamed_key_is_read_as_its_new_name_with_one_notice(tmp_path, capsys):
+    p = tmp_path / "old.yaml"
+    p.write_text("model:\n  name_or_path: some/model\nrollout:\n  engine: vllm\n")
+    assert load_config(p).rollout.source == "vllm"   # a YAML file
+    assert capsys.readouterr().err.splitlines() == [NOTICE.format("vllm")]
+    assert load_config(p, ["rollout.engine=builtin"]).rollout.source == "builtin"   # the file's, then an override
+    assert capsys.readouterr().err.splitlines() == [NOTICE.format("builtin")]
+    assert config_from_dict({"rollout.engine": "builtin"}).rollout.source == "builtin"   # the Python API's keys
+    assert capsys.readouterr().err.splitlines() == [NOTICE.format("builtin")]
+    assert load_config(p, ["rollout.source=vllm"]).rollout.source == "vllm"   # both, agreeing
+    assert capsys.readouterr().err.splitlines() == [NOTICE.format("vllm")]
+    assert "engine" not in load_config(None, ["rollout.engine=builtin"]).to_dict()["rollout"]   # config.yaml's
+    assert load_config(None, ["rollout.source=vllm", "model.name_or_path=m"]).rollout.source == "vllm"
+    capsys.readouterr()
+    load_config(None, ["rollout.source=vllm", "model.name_or_path=m"])
+    assert capsys.readouterr().err == ""   # the new key alone: no notice
+
+
+def test_a_renamed_key_and_its_new_name_disagreeing_is_one_error_naming_both(tmp_path):
+    p = tmp_path / "both.yaml"
+    p.write_text("rollout:\n  source: builtin\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["rollout.engine=vllm"])
+    assert str(e.value) == ("rollout.engine='vllm' and rollout.source='builtin' disagree: rollout.engine is now "
+                            "rollout.source; give rollout.source alone")
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_renamed_key_and_its_new_name_disagreeing_with_exit_2(tmp_path):
+    r = run_cli("train", "rollout.engine=vllm", "rollout.source=builtin", f"train.output_dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and r.stderr.strip() == ("grpolab: config error: rollout.engine='vllm' and "
+                                                      "rollout.source='builtin' disagree: rollout.engine is now "
+                                                      "rollout.source; give rollout.source alone"), r.stderr
+
+
+def test_an_unknown_value_of_a_renamed_key_lists_the_choices_under_the_new_name():
+    with pytest.raises(ConfigError, match=r"^rollout.source: 'sglang' is not one of builtin, vllm$"):
+        load_config(None, ["rollout.engine=sglang"])
+
+
+def test_a_pipeline_reads_a_renamed_shared_key_once(tmp_path, capsys):
+    p = tmp_path / "pipe.yaml"
+    p.write_text("rollout:\n  engine: builtin\nstages:\n  - job: sft\n  - job: train\n")
+    from grpolab.jobs.pipeline import stage_configs
+    _, stages = stage_configs(p, [])
+    assert [cfg.rollout.source for _, cfg in stages] == ["builtin", "builtin"]
+    assert capsys.readouterr().err.splitlines() == [NOTICE.format("builtin")]
+
+
+def test_a_run_saved_with_a_renamed_key_resumes_under_its_new_name(tmp_path):
+    from grpolab.models.checkpoint import RUN_CONFIG
+    from grpolab.train.resume_rules import check_resume_config
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (ckpt / RUN_CONFIG).write_text("rollout:\n  engine: builtin\n  temperature: 1.0\n")   # an older run's
+    new = load_config(None, ["rollout.temperature=1.0"]).to_dict()
+    check_resume_config(new, ckpt, "grpo")   # the same source: resumes
+    new["rollout"]["source"] = "vllm"
+    with pytest.raises(ConfigError, match=r"rollout.source \('builtin' -> 'vllm'\)"):
+        check_resume_config(new, ckpt, "grpo")

@@ -1,41 +1,62 @@
-"""config/names.py holds, as plain data, the registry names config validation checks against: each list
-equals its registry's keys (in order, as error messages list them), so the two cannot drift apart; and
-loading a config imports no torch."""
+"""config/names.py declares each registry once, as plain data: every "module:attr" line loads what its registry
+holds (the check that catches a typo there), the presets name declared entries, an unknown name is one line
+naming the key and the known names; and loading a config imports no torch."""
 
+import inspect
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
-from grpolab.algorithms import advantages, aggregate, kl, losses
-from grpolab.algorithms.estimators import ADV_ESTIMATORS
+from grpolab import rewards
+from grpolab.algorithms.estimators import Estimator, get_estimator
 from grpolab.config import names, presets, reward_spec
-from grpolab.envs import reasoning_gym, verifiers_env
-from grpolab.rewards import REWARDS, custom
-from grpolab.rollout.sources import SOURCES
+from grpolab.errors import ConfigError
+from grpolab.rewards import custom
+from grpolab.rollout.source import RolloutSource
+
+TABLES = {"ADV_ESTIMATORS": "algorithm.adv_estimator", "POLICY_LOSSES": "algorithm.policy_loss",
+          "KL_ESTIMATORS": "algorithm.kl_estimator", "REWARDS": "reward.functions", "SOURCES": "rollout.source"}
 
 
-def test_each_name_list_equals_its_registry():
-    assert names.ADV_ESTIMATORS == tuple(ADV_ESTIMATORS)
-    assert names.ROLLOUT_ENGINES == tuple(n for n in SOURCES if n != "workers")
-    assert names.SCALE_REWARDS == tuple(advantages.SCALE_REWARDS)
-    assert names.POLICY_LOSSES == tuple(losses.POLICY_LOSSES)
-    assert names.KL_ESTIMATORS == tuple(kl.KL_ESTIMATORS)
-    assert names.AGG_MODES == tuple(aggregate.AGG_MODES)
-    assert names.DPO_LOSSES == tuple(losses.DPO_LOSSES)
-    assert names.DISTILL_KL == tuple(losses.DISTILL_KL)
-    assert names.REWARDS == tuple(REWARDS)
-    assert names.PACKAGE_TASKS == (reasoning_gym.TASK_PREFIX, verifiers_env.TASK_PREFIX)
-    assert all(p[:-1] in REWARDS for p in names.PACKAGE_TASKS)
+@pytest.mark.parametrize("table", TABLES)
+def test_every_declared_entry_loads(table):
+    declared = getattr(names, table)
+    assert declared
+    for name, entry in declared.items():
+        module, _, attr = entry.partition(":")
+        assert module.startswith("grpolab.") and attr.isidentifier(), (name, entry)
+        loaded = names.load(declared, name, TABLES[table])
+        if table == "SOURCES":
+            assert inspect.isclass(loaded) and issubclass(loaded, RolloutSource), name
+        elif table == "ADV_ESTIMATORS":
+            assert isinstance(loaded, Estimator) and callable(loaded.fn), name
+            assert get_estimator(name) is loaded
+        else:
+            assert inspect.isfunction(loaded), name
 
 
-def test_presets_name_registered_algorithms():
+def test_the_rewards_package_holds_the_declared_functions():
+    assert rewards.REWARDS == {n: names.load(names.REWARDS, n, "reward.functions") for n in names.REWARDS}
+    assert all(p[:-1] in names.REWARDS for p in names.PACKAGE_TASKS)   # a package task's own scorer
+
+
+def test_an_unknown_name_is_one_line_naming_the_key_and_the_known_names():
+    with pytest.raises(ConfigError) as e:
+        names.load(names.POLICY_LOSSES, "ppo", "algorithm.policy_loss")
+    assert str(e.value) == "algorithm.policy_loss: 'ppo' is not one of clip, gspo, reinforce, cispo"
+    with pytest.raises(ConfigError, match="^algorithm.adv_estimator: 'nope' is not one of grpo, dr_grpo, "):
+        get_estimator("nope")
+
+
+def test_presets_name_declared_entries():
     for name, p in presets.PRESETS.items():
-        assert p["algorithm.adv_estimator"] in ADV_ESTIMATORS, name
-        assert p["algorithm.policy_loss"] in losses.POLICY_LOSSES, name
-        assert p["algorithm.kl_estimator"] in kl.KL_ESTIMATORS, name
-        assert p["algorithm.loss_agg_mode"] in aggregate.AGG_MODES, name
-        assert p["algorithm.scale_rewards"] in advantages.SCALE_REWARDS, name
+        assert p["algorithm.adv_estimator"] in names.ADV_ESTIMATORS, name
+        assert p["algorithm.policy_loss"] in names.POLICY_LOSSES, name
+        assert p["algorithm.kl_estimator"] in names.KL_ESTIMATORS, name
+        assert p["algorithm.loss_agg_mode"] in names.AGG_MODES, name
+        assert p["algorithm.scale_rewards"] in names.SCALE_REWARDS, name
 
 
 def test_the_rewards_parse_a_call_with_configs_parser():

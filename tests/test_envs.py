@@ -139,6 +139,45 @@ def test_episodes_keep_the_sampled_tokens_and_append_each_reply_once(game_model)
         for is_env, s, e in _segments(gen.tool_mask[b, :int(gen.context_mask[b].sum())].tolist()) if not is_env)
 
 
+def test_the_slotted_decode_runs_episodes_as_the_eager_engine_does(game_model):
+    """Episodes on the slotted decode (the GPU's captured step, eagerly here): a row that ends a turn pauses until
+    the host's look, the environment's reply is fed into its slot and the next turn follows; the eager engine's
+    streams, masks, episode records and log-probs, with episodes cut by the token budget too, and on 4 slots refilled
+    as episodes end (the same bits as all at once)."""
+    from grpolab.rollout import slot_decode
+    model, tok, _ = game_model
+    prompts = [tok.render_prompt(r["prompt"]) for r in ROWS]
+    G = 4
+    keys = completion_keys(0, torch.arange(len(ROWS)).repeat_interleave(G), torch.arange(G).repeat(len(ROWS)))
+    kw = dict(num_generations=G, max_new_tokens=40, temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id,
+              keys=keys)
+
+    def use(max_tokens):
+        return EnvUse(env_cases.Guess, TurnRenderer(tok), "test", max_turns=3, max_tokens=max_tokens).bind(ROWS)
+
+    def rows(g):
+        n = g.context_mask.sum(-1).tolist()
+        return [(g.completion_ids[b, :n[b]].tolist(), g.tool_mask[b, :n[b]].tolist(), g.truncated[b].item())
+                for b in range(len(n))]
+
+    # 40 tokens cut episodes; without stop tokens (rollout.ignore_eos) a row whose episode is over samples on
+    for max_tokens, stops in ((60, tok.stop_ids), (40, tok.stop_ids), (60, ())):
+        seen, gens = [], []
+        for slots in (False, True):
+            env_cases.SEEN.clear()
+            gens.append(generate(model, prompts, tools=use(max_tokens), slots=slots, **{**kw, "stop_ids": stops}))
+            seen.append(sorted(env_cases.SEEN))   # the turns' texts, as each environment got them
+        eager, slotted = gens
+        assert rows(slotted) == rows(eager) and slotted.episodes == eager.episodes and seen[0] == seen[1]
+        torch.testing.assert_close(slotted.sampler_logprobs, eager.sampler_logprobs, atol=1e-5, rtol=1e-5)
+        assert any(e["turns"] > 1 for e in eager.episodes)
+        assert max_tokens == 60 or any(e["cut"] for e in eager.episodes)
+    refilled = slot_decode.generate(model, prompts, top_k=0, top_p=1.0, graphs=False, rows_per_matmul=4, max_slots=4,
+                                    session=use(60).session(len(prompts) * G, 40, "cpu"), **{**kw, "stop_ids": ()})
+    assert rows(refilled) == rows(slotted) and refilled.episodes == slotted.episodes
+    assert torch.equal(refilled.sampler_logprobs, slotted.sampler_logprobs)
+
+
 def test_an_episode_ends_at_its_turn_limit_and_its_reward_is_the_sum(game_model):
     model, tok, _ = game_model
     gen, _ = _episodes(model, tok, max_turns=1)

@@ -1,9 +1,11 @@
 """docs/architecture.md's two worked examples, installed as written there: a new advantage estimator and a
 new rollout source, each trained with; the estimator checked against ranks counted here."""
 
+import ast
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,7 @@ import torch
 from conftest import ROOT
 from test_grpo import make_trainer
 
-import grpolab.config.validate as validate
-from grpolab.algorithms import estimators
-from grpolab.rollout import sources
+from grpolab.config import names
 
 DOC = (ROOT / "docs" / "architecture.md").read_text()
 
@@ -24,28 +24,27 @@ def block_after(marker: str) -> str:
     return re.search(r"```python\n(.*?)```", DOC[start:], re.S).group(1)
 
 
-def install(module: str, file: str, tmp_path: Path):
-    """The page's code for `file`, loaded as the package module `module` (its relative imports resolve)."""
+def install(module: str, file: str, tmp_path: Path, monkeypatch) -> None:
+    """The page's code for `file`, imported as the package module `module` (its relative imports resolve), for
+    this test only."""
     path = tmp_path / Path(file).name
     path.write_text(block_after(f"`{file}`:"))
     spec = importlib.util.spec_from_file_location(module, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    monkeypatch.setitem(sys.modules, module, mod)
 
 
-def registry_line(registry: str, namespace: dict) -> tuple[str, object]:
-    """The page's one line for `registry`, evaluated: (name, entry)."""
-    line = block_after(f"In `{registry}`").strip().rstrip(",")
-    name, _, expr = line.partition(":")
-    return eval(name), eval(expr, namespace)   # noqa: S307 - the page's own line
+def declare(registry: str, monkeypatch) -> str:
+    """The page's one line for `registry` in config/names.py, added to it for this test: its name."""
+    ((name, entry),) = ast.literal_eval("{" + block_after(f"In `{registry}`") + "}").items()
+    monkeypatch.setitem(getattr(names, registry), name, entry)
+    return name
 
 
 def test_the_documented_estimator_trains_and_ranks_within_groups(tmp_path, monkeypatch):
-    mod = install("grpolab.algorithms.rank_advantages", "grpolab/algorithms/rank_advantages.py", tmp_path)
-    name, entry = registry_line("ADV_ESTIMATORS", {"Estimator": estimators.Estimator, **vars(mod)})
-    monkeypatch.setitem(estimators.ADV_ESTIMATORS, name, entry)
-    monkeypatch.setattr(validate, "ADV_ESTIMATORS", (*validate.ADV_ESTIMATORS, name))
+    install("grpolab.algorithms.rank_advantages", "grpolab/algorithms/rank_advantages.py", tmp_path, monkeypatch)
+    name = declare("ADV_ESTIMATORS", monkeypatch)
     tr = make_trainer(tmp_path / "run", "sft.steps=0", "reward.functions=[length]", f"algorithm.adv_estimator={name}")
     batch, _ = tr.collect()
     tr.advantages(batch, None)
@@ -61,17 +60,15 @@ def test_the_documented_estimator_trains_and_ranks_within_groups(tmp_path, monke
 
 
 def test_the_documented_source_records_what_it_samples_and_trains_as_the_builtin_one(tmp_path, monkeypatch):
-    mod = install("grpolab.rollout.recording_source", "grpolab/rollout/recording_source.py", tmp_path)
-    name, entry = registry_line("SOURCES", vars(mod))
-    monkeypatch.setitem(sources.SOURCES, name, entry)
-    monkeypatch.setattr(validate, "ROLLOUT_ENGINES", (*validate.ROLLOUT_ENGINES, name))
+    install("grpolab.rollout.recording_source", "grpolab/rollout/recording_source.py", tmp_path, monkeypatch)
+    name = declare("SOURCES", monkeypatch)
     args = ["sft.steps=0", "reward.functions=[length]", "train.max_steps=2", "eval.num_problems=0"]
     rows = {}
-    for engine in ("builtin", name):
-        tr = make_trainer(tmp_path / engine, *args, f"rollout.engine={engine}")
-        assert type(tr.source).__name__ == ("BuiltinSource" if engine == "builtin" else "RecordingSource")
+    for source in ("builtin", name):
+        tr = make_trainer(tmp_path / source, *args, f"rollout.source={source}")
+        assert type(tr.source).__name__ == ("BuiltinSource" if source == "builtin" else "RecordingSource")
         history = tr.train()
-        rows[engine] = [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in history]
+        rows[source] = [{k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))} for m in history]
     assert rows[name] == rows["builtin"]   # the same completions, so the same run
     recorded = [json.loads(line) for line in open(tmp_path / name / "rollouts.jsonl")]
     assert [(r["step"], r["group"]) for r in recorded] == [(s, g) for s in (1, 2) for g in (0, 1) for _ in range(4)]

@@ -185,7 +185,7 @@ def test_trl_fields_map_onto_grpolab_keys():
     with pytest.raises(ConfigError, match="divisible by num_generations"):
         grpo_settings({"per_device_train_batch_size": 6, "num_generations": 4}, 10, 0)
     v = grpo_settings({"use_vllm": True}, 10, 0)   # TRL's default correction: sequence-level masking at 3.0
-    assert (v["rollout.engine"], v["algorithm.rollout_correction"], v["algorithm.rollout_correction_level"],
+    assert (v["rollout.source"], v["algorithm.rollout_correction"], v["algorithm.rollout_correction_level"],
             v["algorithm.rollout_correction_threshold"]) == ("vllm", "mis", "sequence", 3.0)
     with pytest.raises(ConfigError, match="vllm_mode='colocate'"):
         grpo_settings({"use_vllm": True, "vllm_mode": "server"}, 10, 0)

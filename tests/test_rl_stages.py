@@ -8,7 +8,7 @@ import torch
 from test_grpo import make_trainer
 
 from grpolab import distributed as dist
-from grpolab.algorithms.estimators import ADV_ESTIMATORS
+from grpolab.algorithms.estimators import get_estimator
 from grpolab.config.load import load_config
 from grpolab.errors import ConfigError
 from grpolab.models.logprobs import completion_logprobs
@@ -35,7 +35,7 @@ def test_the_plan_decides_reference_kl_estimator_and_critic_once(overrides, lora
     cfg = load_config(None, overrides)
     plan = build_plan(cfg, 1, lora)
     reference, kl, name, critic = want
-    assert (plan.reference, plan.kl, plan.estimator, plan.critic) == (reference, kl, ADV_ESTIMATORS[name], critic)
+    assert (plan.reference, plan.kl, plan.estimator, plan.critic) == (reference, kl, get_estimator(name), critic)
     assert plan.estimator.greedy == (name == "remax")
     assert plan.share_group == (cfg.rollout.num_generations if cfg.optim.share_prompt else 0)
     assert build_plan(cfg, 2, lora).share_group == 0   # two forwards per backward: not under DDP

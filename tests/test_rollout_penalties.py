@@ -143,6 +143,7 @@ def test_penalized_sampling_is_the_same_alone_and_in_a_batch(model):
     ("rollout.frequency_penalty=nan", "rollout.frequency_penalty: must be a finite number"),
     ("rollout.min_tokens=-1", "rollout.min_tokens: must be in [0, rollout.max_new_tokens=32], got -1"),
     ("rollout.min_tokens=33", "rollout.min_tokens: must be in [0, rollout.max_new_tokens=32], got 33"),
+    ("rollout.max_slots=-1", "rollout.max_slots: must be >= 0 (0 = every row at once), got -1"),
 ])
 def test_out_of_range_values_are_refused_with_the_fix(override, msg):
     with pytest.raises(ConfigError) as e:

@@ -15,6 +15,7 @@ from grpolab.models import GPT, GPTConfig
 from grpolab.models.decode_attention import reference
 from grpolab.models.hf import HFPolicy
 from grpolab.rollout import slot_decode
+from grpolab.rollout.decode_loop import Penalties
 from grpolab.rollout.engine import generate
 from grpolab.rollout.keys import completion_keys
 
@@ -93,6 +94,49 @@ def test_rows_leave_through_smaller_buckets_with_their_own_budgets(tiny_gpt, tok
     for (a, la), (b, lb) in zip(_rows(got), _rows(want)):
         assert a == b
         torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_on_fewer_slots_are_admitted_as_others_finish_with_the_same_completions(tiny_gpt, tok):
+    """36 rows on 8 slots (two groups of 3 at a time): each finished row's slot takes the next waiting group, and
+    every row's tokens and log-prob bits equal those of all rows at once; the eager engine samples the same."""
+    prompts, G = _prompts(tok) * 3, 3
+    budgets = torch.tensor([1 + (5 * i) % 17 for i in range(len(prompts) * G)])
+    kw = dict(num_generations=G, max_new_tokens=20, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(tok.eos_id,),
+              pad_id=tok.pad_id, keys=_keys(len(prompts), G), budgets=budgets, graphs=False, rows_per_matmul=8)
+    counts = []
+    few = slot_decode.generate(tiny_gpt, prompts, max_slots=8, on_tokens=counts.append, **kw)
+    assert slot_decode.last_split(tiny_gpt)["steps"] > 20   # more steps than one pass of 20 tokens: slots refilled
+    every = slot_decode.generate(tiny_gpt, prompts, **kw)
+    assert _same(_rows(few), _rows(every))
+    assert torch.equal(few.truncated, every.truncated) and torch.equal(few.prompt_ids, every.prompt_ids)
+    assert sum(counts) == int(few.completion_mask.sum()) and min(counts) >= 0
+    assert (few.completion_mask.sum(-1) <= budgets).all() and not few.truncated.all()
+    kw.pop("graphs"), kw.pop("rows_per_matmul")
+    eager = generate(tiny_gpt, prompts, slots=False, **kw)
+    for (a, la), (b, lb) in zip(_rows(few), _rows(eager)):
+        assert a == b
+        torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+def test_penalties_and_min_tokens_sample_what_the_eager_engine_samples(policy, tok):
+    """vLLM's repetition/presence/frequency penalties and min_tokens on the slotted decode (refilling 8 slots
+    too): the eager engine's tokens and log-probs, and min_tokens holds the end token back."""
+    G, prompts = 4, _prompts(tok)
+    kw = dict(num_generations=G, max_new_tokens=20, stop_ids=(tok.eos_id,), pad_id=tok.pad_id, keys=_keys(4, G))
+    for pen in (dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, min_tokens=6),
+                dict(repetition_penalty=0.8), dict(min_tokens=12, frequency_penalty=-0.3)):
+        eager = generate(policy, prompts, temperature=1.0, slots=False, **kw, **pen)
+        refilled = slot_decode.generate(policy, prompts, temperature=1.0, top_k=0, top_p=1.0, graphs=False,
+                                        rows_per_matmul=4, max_slots=8, penalties=Penalties(**pen), **kw)
+        for got in (generate(policy, prompts, temperature=1.0, slots=True, **kw, **pen), refilled):
+            assert torch.equal(got.completion_mask.sum(-1), eager.completion_mask.sum(-1))
+            for (a, la), (b, lb) in zip(_rows(got), _rows(eager)):
+                assert a == b
+                torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+        if pen.get("min_tokens"):
+            assert (eager.completion_mask.sum(-1) > pen["min_tokens"]).all()
+    plain = generate(policy, prompts, temperature=1.0, slots=True, **kw)
+    assert not _same(_rows(plain), _rows(got))   # the penalties changed the completions
 
 
 def test_top_k_and_top_p_and_counting_tokens(tiny_gpt, tok):

@@ -216,7 +216,7 @@ def test_sampler_and_trainer_logprobs_agree_on_multi_call_rows(scripted, tools):
 
 
 def test_tool_tokens_get_no_loss_and_no_gradient(scripted, tools):
-    from grpolab.algorithms.losses import POLICY_LOSSES
+    from grpolab.algorithms.losses import clip_loss
     model, tok = scripted
     g = _run(model, tok, ["two", "one"], tools, temperature=1.0)
     captured = {}
@@ -231,7 +231,7 @@ def test_tool_tokens_get_no_loss_and_no_gradient(scripted, tools):
     finally:
         h.remove()
     adv = torch.tensor([[1.0], [-1.0]])
-    per_token, _ = POLICY_LOSSES["clip"](lp, lp.detach(), adv, g.completion_mask, epsilon=0.2)
+    per_token, _ = clip_loss(lp, lp.detach(), adv, g.completion_mask, epsilon=0.2)
     per_token.sum().backward()
     grad = captured["logits"].grad        # (B, C, V): position t scores completion token t
     per_pos = grad.abs().sum(-1)
@@ -342,3 +342,49 @@ def test_eval_counts_the_greedy_calls(scripted, tools):
     assert res["tool_calls_per_completion"] == pytest.approx(1.0)
     assert [len(s["greedy_tool_calls"]) for s in res["samples"]] == [0, 1, 2]
     assert res["samples"][1]["greedy"] == "<|call|>calculator 12*34<|/call|><|out|>408<|/out|>=408"
+
+
+def _same_generation(a, b, exact: bool = False) -> None:
+    """Two rollouts of the same rows: the same context tokens, masks and calls, row for row, and the same sampler
+    log-probs (`exact`: bits; else to 1e-5, as two forwards' kernels round)."""
+    assert a.tool_calls == b.tool_calls
+    assert torch.equal(a.truncated, b.truncated)
+    for i in range(len(a.tool_calls)):
+        ca, cb = a.context_mask[i], b.context_mask[i]
+        assert a.completion_ids[i][ca].tolist() == b.completion_ids[i][cb].tolist()
+        assert a.tool_mask[i][ca].tolist() == b.tool_mask[i][cb].tolist()
+        if exact:
+            assert torch.equal(a.sampler_logprobs[i][ca], b.sampler_logprobs[i][cb])
+        else:
+            torch.testing.assert_close(a.sampler_logprobs[i][ca], b.sampler_logprobs[i][cb], atol=1e-5, rtol=1e-5)
+
+
+def test_the_slotted_decode_runs_calls_as_the_eager_engine_does(scripted, tools):
+    """On the slotted decode (the GPU's captured step, eagerly here) a row that ends a call pauses until the host's
+    look, its result is fed into its slot and it resumes: the eager engine's rows, calls, masks and log-prob bits,
+    on 8 slots refilled as rows finish too; with the penalties; and at the last allowed token."""
+    from grpolab.rollout import slot_decode
+    model, tok = scripted
+    names = ["two", "many", "one", "none", "bad", "json", "boom"]
+    prompts, G = [tok.render_prompt(p) for p in names], 3
+    keys = completion_keys(0, torch.arange(len(names)).repeat_interleave(G), torch.arange(G).repeat(len(names)))
+    kw = dict(num_generations=G, max_new_tokens=120, temperature=1.0, stop_ids=tok.stop_ids, pad_id=tok.pad_id,
+              keys=keys, tools=tools)
+    eager = generate(model, prompts, slots=False, **kw)
+    assert sum(len(c) >= 2 for c in eager.tool_calls) >= 4, eager.tool_calls
+    slotted = generate(model, prompts, slots=True, **kw)
+    _same_generation(slotted, eager)
+    kw.pop("tools")
+    refilled = slot_decode.generate(model, prompts, top_k=0, top_p=1.0, graphs=False, rows_per_matmul=4,
+                                    max_slots=8, session=tools.session(len(prompts) * G, 120, "cpu"), **kw)
+    assert slot_decode.last_split(model)["steps"] > 120   # more steps than one pass: the slots were refilled
+    _same_generation(refilled, slotted, exact=True)
+    pen = dict(repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=3)
+    _same_generation(generate(model, prompts, slots=True, tools=tools, **kw, **pen),
+                     generate(model, prompts, slots=False, tools=tools, **kw, **pen))
+    n = len(tok.encode("<|call|>calculator 12*34<|/call|>"))
+    for new, total in ((n, 160), (n + 1, n + 2)):   # no room for the result; room for part of it
+        tools.max_completion_tokens = total
+        one = dict(prompts=[tok.render_prompt("one")], num_generations=1, max_new_tokens=new, temperature=0.0,
+                   stop_ids=tok.stop_ids, pad_id=tok.pad_id, tools=tools)
+        _same_generation(generate(model, slots=True, **one), generate(model, slots=False, **one))

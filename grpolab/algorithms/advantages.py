@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCALE_REWARDS = ("group", "batch", "none")
+from ..config.names import SCALE_REWARDS
 
 
 @dataclass(frozen=True)

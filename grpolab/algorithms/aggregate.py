@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from ..config.names import AGG_MODES
 
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,

@@ -8,8 +8,9 @@ trainer has (eps, unbiased_std, scale_rewards, gamma, lam); each estimator ignor
 use. An entry's flags tell the trainer, once, what the estimator needs: token-level rewards (which are
 whitened over the batch, so one process), a critic, or each prompt's greedy completion.
 
-A new estimator is a function with this signature in a file of its own, one line in ADV_ESTIMATORS and its
-name in config/names.py (which the config check reads without torch; docs/architecture.md shows one).
+A new estimator is a function with this signature in a file of its own and one line in config/names.py's
+ADV_ESTIMATORS naming it (docs/architecture.md shows one); a token-level one, or one with a critic or greedy
+baselines, names an Estimator with its flags instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.names import ADV_ESTIMATORS, load
 from .advantages import (
     AdvantageInputs,
     compute_gae,
@@ -62,23 +64,21 @@ def remax(x: AdvantageInputs, **_) -> Advantages:
     return compute_remax(x.token_rewards, x.baselines.to(x.mask.device), x.mask)
 
 
-ADV_ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(by_group(grpo_advantages)),
-    "dr_grpo": Estimator(by_group(dr_grpo_advantages)),
-    "rloo": Estimator(by_group(rloo_advantages)),
-    "reinforce_baseline": Estimator(by_group(reinforce_baseline_advantages)),
-    "grpo_passk": Estimator(by_group(grpo_passk_advantages)),
-    "gae": Estimator(gae, token_level=True, critic=True),
-    "reinforce_plus_plus": Estimator(reinforce_plus_plus, token_level=True),
-    "remax": Estimator(remax, token_level=True, greedy=True),
-}
+# the built-in estimators, each named in config/names.py's ADV_ESTIMATORS
+GRPO = Estimator(by_group(grpo_advantages))
+DR_GRPO = Estimator(by_group(dr_grpo_advantages))
+RLOO = Estimator(by_group(rloo_advantages))
+REINFORCE_BASELINE = Estimator(by_group(reinforce_baseline_advantages))
+GRPO_PASSK = Estimator(by_group(grpo_passk_advantages))
+GAE = Estimator(gae, token_level=True, critic=True)
+REINFORCE_PLUS_PLUS = Estimator(reinforce_plus_plus, token_level=True)
+REMAX = Estimator(remax, token_level=True, greedy=True)
 
 
 def get_estimator(name: str) -> Estimator:
-    try:
-        return ADV_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown adv_estimator {name!r}; known: {', '.join(ADV_ESTIMATORS)}") from None
+    """The estimator ADV_ESTIMATORS names `name` (a plain function there is a group estimator, without flags)."""
+    entry = load(ADV_ESTIMATORS, name, "algorithm.adv_estimator")
+    return entry if isinstance(entry, Estimator) else Estimator(entry)
 
 
 def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",

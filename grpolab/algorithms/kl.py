@@ -4,7 +4,7 @@ With log-ratio d = log pi(x) - log pi_ref(x), x sampled from pi:
     k1 = d                      unbiased, high variance, can be negative
     k2 = d^2 / 2                biased, low variance
     k3 = exp(-d) - 1 + d        unbiased, low variance, always >= 0 (used by GRPO)
-Each estimator is a pure function (logp, ref_logp) -> (B, T), registered by name
+Each estimator is a pure function (logp, ref_logp) -> (B, T), named in config/names.py's KL_ESTIMATORS
 (`algorithm.kl_estimator`). They see no mask: padded positions must hold finite log-probs
 (any value), otherwise the chain rule through a masked inf/NaN gives a NaN gradient.
 The KL enters either the loss (beta * aggregate(kl), see train/) or the reward
@@ -13,35 +13,23 @@ The KL enters either the loss (beta * aggregate(kl), see train/) or the reward
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from ..config.names import KL_ESTIMATORS, load
 
 K3_CLAMP = 10.0  # bound per-token k3 so one far-off token cannot dominate the loss (as verl does)
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
-
-def register(name: str):
-    def deco(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-    return deco
-
-
-@register("k1")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k1 = log pi - log pi_ref (the naive estimator; its gradient in the loss is just grad logp)."""
     return logp - ref_logp
 
 
-@register("k2")
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k2 = (log pi - log pi_ref)^2 / 2."""
     return 0.5 * (logp - ref_logp).square()
 
 
-@register("k3")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 = pi_ref/pi - 1 - log(pi_ref/pi) = exp(-d) - 1 + d, clamped to [-K3_CLAMP, K3_CLAMP]
     (the estimator of GRPO, Shao et al. 2024)."""
@@ -53,11 +41,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate (B, T) from policy and reference log-probs of the sampled tokens."""
-    try:
-        fn = KL_ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(f"unknown kl_estimator {estimator!r}; use {', '.join(KL_ESTIMATORS)}") from None
-    return fn(logp, ref_logp)
+    return load(KL_ESTIMATORS, estimator, "algorithm.kl_estimator")(logp, ref_logp)
 
 
 def apply_kl_in_reward(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,

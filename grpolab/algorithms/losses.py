@@ -1,4 +1,4 @@
-"""Policy losses on per-token log-probs, registered by name (`algorithm.policy_loss`).
+"""Policy losses on per-token log-probs, each named in config/names.py's POLICY_LOSSES (`algorithm.policy_loss`).
 
 Each loss is a pure function
 
@@ -14,20 +14,10 @@ matrix to a scalar with `aggregate` (see aggregate.py).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from ..config.names import DISTILL_KL, DPO_LOSSES, POLICY_LOSSES, load
 from .aggregate import aggregate
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {}
-
-
-def register(name: str):
-    def deco(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-    return deco
 
 
 def _prep(logp, old_logp, adv, mask):
@@ -44,7 +34,6 @@ def _hi(epsilon: float, epsilon_high: float | None) -> float:
     return epsilon if epsilon_high is None else epsilon_high
 
 
-@register("clip")
 def clip_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: float | None = None,
               clip_ratio_c: float | None = None, **_) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate (Schulman et al. 2017) as used by GRPO (Shao et al. 2024), per token:
@@ -67,7 +56,6 @@ def clip_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: 
     return torch.where(m, loss, torch.zeros_like(loss)), {"clip_low": low, "clip_high": high}
 
 
-@register("gspo")
 def gspo_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: float | None = None,
               **_) -> tuple[torch.Tensor, dict]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), token form (GSPO-token):
@@ -94,7 +82,6 @@ def gspo_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: 
     return torch.where(m, loss, torch.zeros_like(loss)), {"clip_low": low, "clip_high": high}
 
 
-@register("reinforce")
 def reinforce_loss(logp, old_logp, adv, mask, **_) -> tuple[torch.Tensor, dict]:
     """REINFORCE (Williams 1992), on-policy, no importance ratio (nanochat's chat_rl):
 
@@ -107,7 +94,6 @@ def reinforce_loss(logp, old_logp, adv, mask, **_) -> tuple[torch.Tensor, dict]:
     return loss, {"clip_low": none, "clip_high": none.clone()}
 
 
-@register("cispo")
 def cispo_loss(logp, old_logp, adv, mask, *, epsilon: float = 0.2, epsilon_high: float | None = None,
                **_) -> tuple[torch.Tensor, dict]:
     """CISPO (MiniMax 2025, "MiniMax-M1"): clip the importance-sampling weight, not the update.
@@ -141,10 +127,7 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     can add them up across micro-batches and divide by the global token count. `weights` (B, T)
     multiply the per-token losses before aggregation (rollout correction's importance weights).
     """
-    try:
-        fn = POLICY_LOSSES[policy_loss]
-    except KeyError:
-        raise ValueError(f"unknown policy_loss {policy_loss!r}; known: {', '.join(POLICY_LOSSES)}") from None
+    fn = load(POLICY_LOSSES, policy_loss, "algorithm.policy_loss")
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     loss_mat, info = fn(logp, old_logp, adv.to(logp.dtype), mask, epsilon=epsilon,
                         epsilon_high=epsilon_high, clip_ratio_c=clip_ratio_c)
@@ -160,9 +143,6 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
 
 
 # ---------------------------------------------------------------------------- preference (DPO family)
-
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
-
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, *, beta: float, loss_type: str = "sigmoid",
@@ -220,9 +200,6 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: tor
 
 
 # ---------------------------------------------------------------------------- distillation
-
-DISTILL_KL = ("forward", "reverse")
-
 
 def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, direction: str = "forward",
                temperature: float = 1.0) -> torch.Tensor:

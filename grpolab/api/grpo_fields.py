@@ -165,7 +165,7 @@ def grpo_settings(fields: dict[str, Any], train_rows: int, eval_rows: int) -> di
     if f["log_completions"]:
         out["log.samples_every"] = int(f["logging_steps"])
     if f["use_vllm"]:
-        out["rollout.engine"] = "vllm"
+        out["rollout.source"] = "vllm"
         out["vllm.gpu_memory_utilization"] = float(f["vllm_gpu_memory_utilization"])
         if f["vllm_max_model_length"]:
             out["vllm.max_model_len"] = int(f["vllm_max_model_length"])

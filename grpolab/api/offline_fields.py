@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.names import DPO_LOSSES
 from ..config.validate import need
 from .trl_fields import TRAINING, TRAINING_UNSUPPORTED, optimizer_settings, total_steps, training_settings
 
@@ -61,7 +62,6 @@ DPO_UNSUPPORTED: dict[str, tuple[Any, Any, str]] = {
     "ref_model_sync_steps": (512, 64, "not implemented for DPO"),
     "pad_token": (None, "<pad>", "set the tokenizer's pad token"),
 }
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 
 REWARD: dict[str, Any] = {
     **TRAINING,

@@ -10,6 +10,7 @@ import difflib
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,32 @@ from ..errors import ConfigError
 from .presets import PRESETS
 from .schema import Config, JudgeConfig
 from .validate import eval_check, need, short, validate
+
+# keys that were renamed, old -> new: a config that sets the old key (a file, an override, the Python API's keys, a
+# saved run's config.yaml) is read as setting the new one, so existing configs and run directories keep working
+RENAMED: dict[str, str] = {
+    "rollout.engine": "rollout.source",
+}
+
+
+def renamed(settings: list[tuple[str, Any]], quiet: bool = False) -> list[tuple[str, Any]]:
+    """`settings` with each renamed key under its new name, and one line on stderr per old key given (none when
+    `quiet`); ConfigError when an old key and its new one are given different values."""
+    out, notes = [], {}
+    for key, value in settings:
+        new = RENAMED.get(key)
+        if new is not None:
+            clash = [v for k, v in settings if k == new and v != value]
+            if clash:
+                raise ConfigError(f"{key}={short(value)} and {new}={short(clash[0])} disagree: {key} is now {new}; "
+                                  f"give {new} alone")
+            notes[key] = f"grpolab: {key} is now {new} (read as {new}={value})"
+            key = new
+        out.append((key, value))
+    if not quiet:
+        for line in notes.values():
+            print(line, file=sys.stderr)
+    return out
 
 
 def _coerce(key: str, value: Any, current: Any, ftype: str) -> Any:
@@ -245,7 +272,9 @@ def config_from_dict(d: dict) -> Config:
 
 
 def _apply(cfg: Config, settings: list[tuple[str, Any]]) -> Config:
-    """Set `settings` in order, after the algorithm preset they name (explicit keys win over it)."""
+    """Set `settings` in order (renamed keys under their new names), after the algorithm preset they name
+    (explicit keys win over it)."""
+    settings = renamed(settings)
     preset = [v for k, v in settings if k == "algorithm.preset"]
     if preset and preset[-1] is not None:
         name = preset[-1]

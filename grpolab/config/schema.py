@@ -246,7 +246,10 @@ class RolloutConfig:
     cuda_graph: bool = option(True, "on CUDA, the built-in GPT and HF llama/mistral/qwen2/qwen3 models sample through "
                                     "the slotted decode: a preallocated KV cache, the decode step replayed as a CUDA "
                                     "graph, each completion independent of its batch (docs/gpu.md); false = the eager "
-                                    "engine. Rollouts with tools or penalties always use the latter")
+                                    "engine. Tools, environments and penalties run on it too; a logits hook does not")
+    max_slots: int = option(0, "the slotted decode (CUDA): rows decoded at once; the others wait and take the slots of "
+                               "rows that finish (continuous batching: the same completions, less memory for the "
+                               "cache, the long tail at full occupancy). 0 = every row at once")
     ignore_eos: bool = option(False, "rollouts never stop at the stop token: every completion runs to max_new_tokens "
                                      "(benchmarks; a sampled stop token is then an ordinary token; eval still stops)")
     tools: list = option(factory=list, help="tools the model may call mid-completion (rollouts and eval): calculator "
@@ -259,7 +262,7 @@ class RolloutConfig:
     tool_timeout: float = option(10.0, "seconds one call may take (at most 1e7); then the model is told it timed "
                                        "out")
     tool_output_max_chars: int = option(500, "a longer tool output is cut, with a '...[truncated N chars]' marker")
-    engine: str = option("builtin", "what samples the completions: builtin (grpolab's engine: keyed, bit-exact "
+    source: str = option("builtin", "what samples the completions: builtin (grpolab's engine: keyed, bit-exact "
                                     "runs and resumes) | vllm (a vLLM engine in the trainer's process, given the "
                                     "policy's weights after every step; HF models; settings under vllm.*; "
                                     "docs/vllm.md)")
@@ -532,7 +535,7 @@ class Config:
     rollout: RolloutConfig = option(factory=RolloutConfig,
         help="sampling an RL step's completions, and the tools the model may call while it writes them")
     vllm: VLLMConfig = option(factory=VLLMConfig,
-        help="the vLLM rollout engine (rollout.engine=vllm): memory, context length, eval")
+        help="the vLLM rollout engine (rollout.source=vllm): memory, context length, eval")
     env: EnvConfig = option(factory=EnvConfig,
         help="an environment that replies between the model's turns: multi-turn episodes, scored by the `env` reward")
     reward: RewardConfig = option(factory=RewardConfig,

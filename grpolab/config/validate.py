@@ -23,8 +23,9 @@ from .names import (
     PACKAGE_TASKS,
     POLICY_LOSSES,
     REWARDS,
-    ROLLOUT_ENGINES,
     SCALE_REWARDS,
+    SOURCES,
+    WORKERS,
 )
 from .reward_spec import parse_call
 from .schema import MIN_TEMPERATURE, Config, JudgeConfig
@@ -258,6 +259,7 @@ def _rollout(cfg: Config) -> None:
         need(-2 <= getattr(r, key) <= 2, f"rollout.{key}: must be in [-2, 2] (0.0 = off), got {getattr(r, key)}")
     need(0 <= r.min_tokens <= r.max_new_tokens,
          f"rollout.min_tokens: must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {r.min_tokens}")
+    need(r.max_slots >= 0, f"rollout.max_slots: must be >= 0 (0 = every row at once), got {r.max_slots}")
 
 
 def _tools(cfg: Config) -> None:
@@ -288,8 +290,8 @@ def _env(cfg: Config) -> None:
     need(0 < e.timeout <= MAX_TIMEOUT, f"env.timeout: must be > 0 and at most {MAX_TIMEOUT:.0f} seconds")
     need(not r.tools, "env.name: an environment's episodes and rollout.tools do not mix yet; give the tools to the "
                       "environment (a verifiers ToolEnv) or drop rollout.tools")
-    need(r.engine == "builtin" and not cfg.train.worker_count,
-         "env.name: episodes run on the built-in engine in the trainer's process (rollout.engine=builtin, no "
+    need(r.source == "builtin" and not cfg.train.worker_count,
+         "env.name: episodes run on the built-in engine in the trainer's process (rollout.source=builtin, no "
          "rollout workers)")
 
 
@@ -298,20 +300,20 @@ _NO_ENV = ("scores an environment's episodes; set env.name (the environment the 
 
 
 def _vllm(cfg: Config) -> None:
-    """rollout.engine one of builtin | vllm; with vllm: a Hugging Face model, no tools; vllm.* in range."""
+    """rollout.source one of builtin | vllm; with vllm: a Hugging Face model, no tools; vllm.* in range."""
     r, v = cfg.rollout, cfg.vllm
-    _choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
+    _choice("rollout.source", r.source, [n for n in SOURCES if n != WORKERS])
     need(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization: must be in (0, 1]")
     need(v.kv_cache_gb is None or v.kv_cache_gb > 0, "vllm.kv_cache_gb: must be > 0 (or null)")
     need(v.max_model_len is None or v.max_model_len > r.max_new_tokens,
          f"vllm.max_model_len: must exceed rollout.max_new_tokens={r.max_new_tokens} (or null)")
-    if r.engine != "vllm":
+    if r.source != "vllm":
         return
     need(cfg.model.name_or_path != "builtin",
-         "rollout.engine: vllm runs Hugging Face models; the built-in GPT has no vLLM architecture (use "
-         "rollout.engine=builtin, or `grpolab export` it and train the exported model)")
-    need(not r.tools, "rollout.engine: vllm does not run tool rollouts yet (a call's result must be fed back "
-                      "mid-completion); use rollout.engine=builtin with rollout.tools")
+         "rollout.source: vllm runs Hugging Face models; the built-in GPT has no vLLM architecture (use "
+         "rollout.source=builtin, or `grpolab export` it and train the exported model)")
+    need(not r.tools, "rollout.source: vllm does not run tool rollouts yet (a call's result must be fed back "
+                      "mid-completion); use rollout.source=builtin with rollout.tools")
 
 
 def _reward(cfg: Config) -> None:

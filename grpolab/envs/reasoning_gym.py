@@ -16,10 +16,10 @@ import dataclasses
 import re
 import typing
 
+from ..config.names import REASONING_GYM_TASK as TASK_PREFIX
 from ..data.answers import format_number, last_number, plain_number
 from ..errors import ConfigError, DataError
 
-TASK_PREFIX = "reasoning_gym:"
 # a test split drawn with this seed offset from train.seed, its questions seen in train dropped
 TEST_SEED_OFFSET = 1_000_003
 ANSWER = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import time
 
+from ..config.names import VERIFIERS_TASK as TASK_PREFIX
 from ..errors import ConfigError, DataError
-
-TASK_PREFIX = "verifiers:"
 
 
 def _package():

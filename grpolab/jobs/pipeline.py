@@ -29,7 +29,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from ..config import Config
-from ..config.load import _apply, _flatten, parse_override, read_yaml
+from ..config.load import _apply, _flatten, parse_override, read_yaml, renamed
 from ..errors import ConfigError, DataError
 from ..models.checkpoint import list_checkpoints
 from ..monitor.console import Console
@@ -61,8 +61,9 @@ def read_stages(path: str | Path) -> tuple[dict, list[dict]]:
 def stage_configs(path: str | Path, overrides: list[str]) -> tuple[Path, list[tuple[str, Config]]]:
     """(pipeline run dir, [(job, config)]) with every stage's config validated before anything runs."""
     shared, stages = read_stages(path)
-    base = list(_flatten(shared).items())
-    cli = [parse_override(o) for o in overrides]
+    # renamed keys read once here (one notice), not again in every stage's config
+    base = renamed(list(_flatten(shared).items()))
+    cli = renamed([parse_override(o) for o in overrides])
     root = Path(_apply(Config(), base + cli).train.output_dir)
     out = []
     for i, st in enumerate(stages, start=1):

@@ -20,43 +20,18 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from ..config import names
 from ..errors import RewardError, UnknownRewardError
-from . import length as _length
-from .accuracy import gsm8k_accuracy, math_accuracy
-from .code import code_exec
 from .custom import load_reward, parse_call
-from .environment import env
-from .format import answer_format, boxed_format, think_format
-from .intrinsic import rlpr, self_certainty, token_entropy, trajectory_logprob
 from .judge import get_judge
 from .length import make_length_reward
 from .model import reward_model
-from .task_packages import reasoning_gym, verifiers
 from .verl_style import verl_reward
 
 RewardFn = Callable[..., list]
 
-REWARDS: dict[str, RewardFn] = {
-    "gsm8k_accuracy": gsm8k_accuracy,
-    "format": answer_format,
-    "math_accuracy": math_accuracy,
-    "think_format": think_format,
-    "boxed_format": boxed_format,
-    "length": _length.length,
-    # runs the completion's program against the row's tests in a sandbox (rewards/code.py, grpolab/sandbox)
-    "code_exec": code_exec,
-    # intrinsic (rewards/intrinsic.py): read the current policy, no labels (rlpr reads the reference)
-    "self_certainty": self_certainty,
-    "token_entropy": token_entropy,
-    "trajectory_logprob": trajectory_logprob,
-    "rlpr": rlpr,
-    # a reasoning-gym row's own scorer on the completion's <answer> (rewards/task_packages.py)
-    "reasoning_gym": reasoning_gym,
-    # a verifiers task's own rubric on the completion (rewards/task_packages.py)
-    "verifiers": verifiers,
-    # an episode's summed step rewards from its environment (env.name; rollout/env_decode.py)
-    "env": env,
-}
+# the built-in rewards by name: config/names.py's REWARDS, loaded here once (callers use the functions themselves)
+REWARDS: dict[str, RewardFn] = {name: names.load(names.REWARDS, name, "reward.functions") for name in names.REWARDS}
 
 
 # functions handed over in Python (grpolab.GRPOTrainer(reward_funcs=[fn])) that no module spec can import, by

@@ -45,7 +45,7 @@ class BuiltinSource(RolloutSource):
 
     def sample(self, prompts: list[list[int]], *, tools=None, **kw) -> Generation:
         """One engine call (vllm_source.VLLMSource samples with vLLM instead); `tools`: bound to the rows."""
-        return sample(self.model, prompts, tools=tools, **kw)
+        return sample(self.model, prompts, tools=tools, max_slots=self.cfg.rollout.max_slots or None, **kw)
 
     def _count_tokens(self, n: int) -> None:
         self.progress.add(tokens=n)

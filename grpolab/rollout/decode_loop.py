@@ -28,7 +28,9 @@ from .logits_processors import ban, penalize, token_counts
 from .sampling import sample_next
 
 # prompts are prefilled this many positions at a time: the prefill's attention scores and activations
-# then stay (rows x PREFILL_CHUNK x ...) however long the prompts are
+# then stay (rows x PREFILL_CHUNK x ...) however long the prompts are; the server's batcher prefills at most
+# this many new prompt tokens per step while rows decode, so a long prompt delays the running streams by one
+# chunk per token, not by its whole prefill (vLLM's chunked prefill)
 PREFILL_CHUNK = 512
 
 

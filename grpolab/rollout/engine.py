@@ -23,7 +23,8 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
              generator: torch.Generator | None = None, keys: torch.Tensor | None = None,
              tools=None, logits_hook=None, prefill_chunk: int = PREFILL_CHUNK, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
-             budgets: torch.Tensor | None = None, on_tokens=None, slots: bool | None = None) -> Generation:
+             budgets: torch.Tensor | None = None, on_tokens=None, slots: bool | None = None,
+             max_slots: int | None = None) -> Generation:
     """Sample `num_generations` completions for each tokenized prompt.
 
     Rows come out grouped: rows [i*G, (i+1)*G) belong to prompt i. The model is any
@@ -44,25 +45,29 @@ def generate(model, prompts: list[list[int]], *, num_generations: int = 1, max_n
     max_tokens). `on_tokens(n)`: told how many tokens were sampled, as they are (a progress count).
     `slots`: sample through the slotted decode (slot_decode.py: CUDA graphs on a GPU); None: wherever it
     applies, i.e. on CUDA (unless the model's `cuda_graph` attribute is False, rollout.cuda_graph), for the
-    built-in GPT and Llama-family HF models, keyed or greedy sampling, no tools, penalties or logits_hook.
+    built-in GPT and Llama-family HF models, keyed or greedy sampling, no logits_hook (tools, environments and
+    penalties included).
+    `max_slots`: the slotted decode holds at most this many rows at once and admits the rest as rows finish
+    (the same completions; None: all at once).
     """
     if logits_hook is not None and tools is not None:
         raise ValueError("logits_hook is not supported together with tools")
     if keys is not None and keys.numel() != len(prompts) * num_generations:
         raise ValueError(f"keys: {keys.numel()} for {len(prompts)} prompts x {num_generations} generations")
     pen = Penalties(repetition_penalty, presence_penalty, frequency_penalty, min_tokens)
+    device = next(model.parameters()).device
+    session = None if tools is None else tools.session(len(prompts) * num_generations, max_new_tokens, device)
     if slots is None:
-        slots = (next(model.parameters()).device.type == "cuda" and getattr(model, "cuda_graph", True)
-                 and tools is None and logits_hook is None and not pen.active and (keys is not None or temperature <= 0)
-                 and slot_decode.why_not(model, prompts, max_new_tokens) is None)
+        L = session.length if session is not None else max_new_tokens
+        slots = (device.type == "cuda" and getattr(model, "cuda_graph", True) and logits_hook is None
+                 and (keys is not None or temperature <= 0) and slot_decode.why_not(model, prompts, L) is None)
     if slots:
         out = slot_decode.generate(model, prompts, num_generations=num_generations, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
-                                   pad_id=pad_id, keys=keys, budgets=budgets, on_tokens=on_tokens)
+                                   pad_id=pad_id, keys=keys, budgets=budgets, on_tokens=on_tokens,
+                                   max_slots=max_slots, penalties=pen, session=session)
     else:
         with torch.inference_mode():
-            session = None if tools is None else tools.session(len(prompts) * num_generations, max_new_tokens,
-                                                                next(model.parameters()).device)
             out = decode(model, prompts, num_generations, max_new_tokens, temperature, top_k, top_p, stop_ids,
                          pad_id, generator, keys, logits_hook=logits_hook, prefill_chunk=prefill_chunk, tools=session,
                          penalties=pen, budgets=budgets, on_tokens=on_tokens)

@@ -5,10 +5,12 @@ On a GPU the eager decode (decode_loop.py) is bound by kernel launches and Pytho
 few hundred kernels of microseconds each, every one waiting for the CPU. Here everything a step does
 (sample the next token from the logits, record it, stop rows, run the model on it) reads and writes
 preallocated tensors at fixed addresses, so it is captured once as a CUDA graph and replayed: one
-launch per token. The host looks every `CHECK_EVERY` steps: when every row is done the loop ends, and
-when the live rows fit a smaller bucket (a multiple of `rows_per_matmul` rows) they move to its front
-and its graph takes over, so finished rows stop costing. Decoding a few steps past the last stop costs
-those steps only: a finished row's outputs are masked by its recorded end.
+launch per token. The host looks every `CHECK_EVERY` steps: it retires the rows that are done (their tokens
+copied out of their slots) and admits waiting rows into the freed slots (a prompt prefilled once into its
+group's slots), so a rollout of N rows runs on S < N slots (`max_slots`: vLLM's continuous batching) with the
+same completions. Each slot keeps its own position. Once no row waits, the live rows move to the front of a
+smaller bucket (a multiple of `rows_per_matmul` rows) when they fit one, and its graph takes over, so finished
+rows stop costing. A slot that is done keeps stepping until the next look: it writes past its row's end only.
 
 A row's completion does not depend on the batch around it (the keyed uniforms, plus the kernels of
 models/slot_forward.py: the same shapes whoever shares the batch). Each prompt is prefilled alone, padded
@@ -32,8 +34,10 @@ from ..models.gpt import GPT
 from ..models.slot_cache import SlotCache
 from ..models.slot_forward import decode, prefill
 from ..utils.padding import pad_sequences
+from .decode_loop import Penalties
 from .generation import Generation
 from .keys import position_salts, salted_uniforms
+from .logits_processors import token_counts
 from .sampling import sample_next
 from .sampling_kernels import applies, keyed_sample
 
@@ -49,9 +53,10 @@ PREFILL_ROUND = 64     # a prompt is prefilled padded to a multiple of this: one
 @dataclass(frozen=True)
 class Shape:
     """What a captured decode depends on besides the weights."""
-    rows: int            # slots, a multiple of rows_per_matmul
+    rows: int            # slots, a multiple of rows_per_matmul (at least a group's samples)
     T: int               # cache columns
-    L: int               # max_new_tokens
+    L: int               # completion positions: max_new_tokens, or with tools or an environment the session's length
+    cap: int             # sampled tokens per row (max_new_tokens)
     temperature: float
     top_k: int
     top_p: float
@@ -59,6 +64,9 @@ class Shape:
     keyed: bool
     rows_per_matmul: int
     graphs: bool
+    penalties: Penalties = Penalties()   # vLLM's min_tokens and repetition/presence/frequency penalties
+    session: bool = False                # tools or an environment: rows pause at a trigger and are fed replies
+    triggers: tuple[int, ...] = ()       # the tokens that end a call or a turn
 
 
 @dataclass
@@ -97,21 +105,39 @@ class SlotDecoder:
         self.logits = torch.zeros(R, V, dtype=W.dtype, device=dev)   # as the head computes them; sampled in float32
         self.tok = torch.zeros(R, dtype=torch.long, device=dev)
         self.keys = torch.zeros(R, dtype=torch.long, device=dev)
-        self.slot_row = torch.arange(R, device=dev)     # the output row each slot decodes
-        self.budget = torch.full((R,), s.L, dtype=torch.long, device=dev)
+        self.budget = torch.full((R,), s.cap, dtype=torch.long, device=dev)   # sampled tokens each slot may add
         self.done = torch.ones(R, dtype=torch.bool, device=dev)
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)
+        # the completion position each slot samples next (a done slot stays at its row's end), and the tokens it
+        # has sampled (the positions less the fed ones)
+        self.pos = torch.zeros(R, dtype=torch.long, device=dev)
+        self.n_sampled = torch.zeros(R, dtype=torch.long, device=dev)
         self.salts = position_salts(torch.arange(s.L, device=dev))   # each position's part of the uniforms
         self.stops = torch.tensor(s.stops, dtype=torch.long, device=dev)
         if applies(self.logits, s.temperature, s.top_k, s.top_p, s.keyed):   # fused kernels for a large vocabulary
             self.sample = lambda x, u: keyed_sample(x, s.temperature, u)
         else:
             self.sample = lambda x, u: sample_next(x, s.temperature, s.top_k, s.top_p, None, u)
-        # by output row
-        self.out_ids = torch.zeros(R, s.L, dtype=torch.long, device=dev)
-        self.out_lp = torch.zeros(R, s.L, dtype=torch.float32, device=dev)
+        # by slot, one spare column: a done slot writes at its end until it is retired
+        self.out_ids = torch.zeros(R, s.L + 1, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(R, s.L + 1, dtype=torch.float32, device=dev)
         self.end = torch.full((R,), s.L, dtype=torch.long, device=dev)
         self.stopped = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.row_of: list[int] = [-1] * R   # the output row each slot holds (-1: free), on the host
+        # with a session: the tokens each slot is fed (a tool's result, an environment's reply) and how far it has
+        # got, which positions were fed, and the slots paused at a trigger until the host looks
+        self.feed_ids = torch.zeros(R, s.L, dtype=torch.long, device=dev) if s.session else None
+        self.feed_at = torch.zeros(R, dtype=torch.long, device=dev)
+        self.feed_len = torch.zeros(R, dtype=torch.long, device=dev)
+        self.out_fed = torch.zeros(R, s.L + 1, dtype=torch.bool, device=dev) if s.session else None
+        self.paused = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.triggers = torch.tensor(s.triggers, dtype=torch.long, device=dev)
+        # the penalties' state per slot, as decode_loop.RowProcessors keeps it per row: how often the slot's row
+        # sampled each token, and the tokens of its prompt (the repetition penalty's); the stop tokens min_tokens bans
+        pen = s.penalties
+        self.counts = torch.zeros(R, V, device=dev) if pen.penalized else None
+        self.seen = torch.zeros(R, V, dtype=torch.bool, device=dev) if pen.penalized else None
+        self.banned = torch.zeros(V, dtype=torch.bool, device=dev)
+        self.banned[[i for i in s.stops if i < V]] = True
         self.buckets = list(range(R, 0, -s.rows_per_matmul))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None                                  # the graphs' memory pool, shared: they never overlap
@@ -121,25 +147,74 @@ class SlotDecoder:
             self._capture()
 
     def _step(self, b: int) -> None:
-        """One token for slots [0, b): sample from the logits, record, stop, run the model on it."""
+        """One token for slots [0, b): sample from the logits (or take the token a slot is fed), record, stop or
+        pause, run the model on it."""
         s = self.shape
-        t = self.t.expand(b)
-        u = salted_uniforms(self.keys[:b], self.salts.index_select(0, self.t)) if s.keyed else None
-        tok, lp = self.sample(self.logits[:b], u)
-        rows, done = self.slot_row[:b], self.done[:b]
+        pos, done, n = self.pos[:b], self.done[:b], self.n_sampled[:b]
+        u = (salted_uniforms(self.keys[:b], self.salts.index_select(0, pos.clamp(max=s.L - 1))) if s.keyed
+             else None)
+        logits = self._process(self.logits[:b], n) if s.penalties.active else self.logits[:b]
+        tok, lp = self.sample(logits, u)
         live = ~done
-        at = rows * s.L + t
+        slot = torch.arange(b, device=pos.device)
+        at = slot * (s.L + 1) + pos
+        sampled = live
+        if s.session:   # a fed slot takes its next queued token instead of its sample, with log-prob 0
+            feeding = live & (self.feed_at[:b] < self.feed_len[:b])
+            queued = self.feed_ids[:b].gather(1, self.feed_at[:b].clamp(max=s.L - 1)[:, None]).squeeze(1)
+            tok = torch.where(feeding, queued, tok)
+            lp = torch.where(feeding, torch.zeros_like(lp), lp)
+            self.feed_at[:b] += feeding.long()
+            sampled = live & ~feeding
+            self.out_fed.view(-1).index_copy_(0, at, feeding)
+        if self.counts is not None:   # the tokens the slots sampled, counted (unique indices: capturable)
+            V = self.counts.size(1)
+            self.counts.view(-1).index_add_(0, slot * V + tok, sampled.float())
+            if s.session:   # a fed token joins what the repetition penalty sees
+                seen, flat = self.seen.view(-1), slot * V + tok
+                fed_seen = feeding & (s.penalties.repetition_penalty != 1)
+                seen.index_copy_(0, flat, seen.index_select(0, flat) | fed_seen)
         self.out_ids.view(-1).index_copy_(0, at, tok)
         self.out_lp.view(-1).index_copy_(0, at, lp)
-        stop_now = (tok[:, None] == self.stops).any(-1) & live
-        finished = stop_now | (live & (t + 1 >= self.budget[:b]))
-        self.end.index_copy_(0, rows, torch.where(finished, t + 1, self.end.index_select(0, rows)))
-        self.stopped.index_copy_(0, rows, self.stopped.index_select(0, rows) | stop_now)
+        n += sampled.long()
+        no_room = (n >= self.budget[:b]) | (pos + 1 >= s.L)   # nothing more can follow this token
+        stop_now = (tok[:, None] == self.stops).any(-1) & sampled
+        pause = None
+        if s.session:   # a trigger with room left pauses the slot: the host decides whether a call or turn ended
+            pause = (tok[:, None] == self.triggers).any(-1) & sampled & ~no_room
+            stop_now &= ~pause
+        finished = stop_now | (sampled & no_room)
+        if s.session:
+            finished |= feeding & (pos + 1 >= s.L)
+        self.end[:b] = torch.where(finished, pos + 1, self.end[:b])
+        self.stopped[:b] |= stop_now
+        pos += live.long()
         done |= finished
         self.tok[:b] = tok
-        self.logits[:b] = decode(self.W, self.cache, self.tok[:b], s.rows_per_matmul)
-        self.cache.lens[:b] += (~done).long()   # the rows that go on keep the token just written
-        self.t += 1
+        logits = decode(self.W, self.cache, self.tok[:b], s.rows_per_matmul)
+        if s.session:   # a paused slot keeps the logits after its trigger and the trigger in its cache
+            held = self.paused[:b].clone()
+            self.logits[:b] = torch.where(held[:, None], self.logits[:b], logits)
+            self.paused[:b] |= pause
+            done |= pause
+            self.cache.lens[:b] += (~done | pause).long()
+        else:
+            self.logits[:b] = logits
+            self.cache.lens[:b] += (~done).long()   # the rows that go on keep the token just written
+
+    def _process(self, logits: torch.Tensor, n_sampled: torch.Tensor) -> torch.Tensor:
+        """decode_loop.RowProcessors.apply on every slot at once, with fixed shapes (a CUDA graph replays it):
+        min_tokens' ban, then the penalties over the whole vocabulary, in float32; the same floats."""
+        p, b = self.shape.penalties, n_sampled.numel()
+        logits = logits.float()
+        if p.min_tokens:
+            logits = logits.masked_fill((n_sampled < p.min_tokens)[:, None] & self.banned, float("-inf"))
+        if p.penalized:
+            counts, once = self.counts[:b], (self.counts[:b] > 0)
+            r = p.repetition_penalty
+            x = torch.where(self.seen[:b] | once, torch.where(logits > 0, logits / r, logits * r), logits)
+            logits = x - p.frequency_penalty * counts - p.presence_penalty * once.to(x.dtype)
+        return logits
 
     def _capture(self) -> None:
         """A graph per bucket, after a warm-up step of each (Triton compiles, cuBLAS picks its kernels)."""
@@ -147,7 +222,7 @@ class SlotDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in self.buckets:
-                self.t.zero_()
+                self.pos.zero_()
                 self._step(b)
         torch.cuda.current_stream().wait_stream(side)
         for b in self.buckets:
@@ -157,11 +232,11 @@ class SlotDecoder:
             self.pool = g.pool()
             self.graphs[b] = g
 
-    def _prefill(self, prompt: list[int], first: int, G: int) -> torch.Tensor:
-        """Prefill `prompt` into slots [first, first + G): the logits after it (V,). On CUDA each padded
+    def _prefill(self, prompt: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """Prefill `prompt` into `slots` (G,): the logits after it (V,). On CUDA each padded
         length's prefill is captured once (after a warm-up with this very prompt, which writes what the
         replay writes again) and replayed: one launch instead of a forward's hundreds."""
-        s, dev = self.shape, self.W.device
+        s, dev, G = self.shape, self.W.device, slots.numel()
         Pp = min(-(-len(prompt) // PREFILL_ROUND) * PREFILL_ROUND, s.T)
         pre = self.prefills.get((Pp, G))
         new = pre is None
@@ -172,7 +247,7 @@ class SlotDecoder:
         pre.ids.zero_()
         pre.ids[:len(prompt)] = torch.tensor(prompt, device=dev)
         pre.last.fill_(len(prompt) - 1)
-        pre.slots.copy_(torch.arange(first, first + G, device=dev))
+        pre.slots.copy_(slots)
         if new and s.graphs:
             pre.graph = self._capture_prefill(pre)
         if pre.graph is None:   # a CPU, or a capture that failed: the same kernels, launched one by one
@@ -205,68 +280,168 @@ class SlotDecoder:
         else:
             self._step(b)
 
-    def _compact(self, b: int, nb: int) -> None:
-        """The live slots of [0, b) move to the front of a bucket of nb slots (done ones fill the rest)."""
-        order = torch.argsort(self.done[:b].to(torch.int8), stable=True)[:nb]
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot tensor a compaction moves."""
+        return tuple(x for x in (self.tok, self.logits, self.keys, self.budget, self.done, self.pos, self.n_sampled,
+                                 self.end, self.stopped, self.out_ids, self.out_lp, self.counts, self.seen,
+                                 self.feed_ids, self.feed_at, self.feed_len, self.out_fed, self.paused)
+                     if x is not None)
+
+    def _compact(self, held: list[int], nb: int) -> None:
+        """The `held` slots (in order) move to the front of a bucket of nb slots."""
+        order = torch.tensor(held, dtype=torch.long, device=self.W.device)
         self.cache.compact(order)
-        for x in (self.tok, self.logits, self.keys, self.slot_row, self.budget, self.done):
-            x[:nb] = x.index_select(0, order)
+        for x in self._state():
+            x[:len(held)] = x.index_select(0, order)
+        self.done[len(held):nb] = True
+        self.row_of = [self.row_of[i] for i in held] + [-1] * (len(self.row_of) - len(held))
+
+    def _resolve(self, b: int, out: dict[str, torch.Tensor], session) -> None:
+        """The paused slots of [0, b): the session decides, by row, whether each ended a call or a turn (then its
+        reply's tokens are queued in its slot and it resumes), or stops (its trigger a stop token), or goes on."""
+        paused = [i for i, x in enumerate(self.paused[:b].tolist()) if x]
+        if not paused:
+            return
+        dev, B = self.W.device, out["ids"].size(0)
+        at = torch.tensor(paused, device=dev)
+        rows = [self.row_of[i] for i in paused]
+        out["ids"].index_copy_(0, torch.tensor(rows, device=dev), self.out_ids.index_select(0, at)[:, :self.shape.L])
+        ts = [p - 1 for p in self.pos.index_select(0, at).tolist()]   # the trigger's position
+        # the triggers (a paused slot's later steps write only past them, at its frozen position)
+        toks = self.out_ids.index_select(0, at).gather(1, torch.tensor(ts, device=dev)[:, None]).squeeze(1)
+        stops = set(self.shape.stops)
+        for t in sorted(set(ts)):   # rows at one position together, as the eager engine runs them
+            mine = [k for k, x in enumerate(ts) if x == t]
+            tok = torch.zeros(B, dtype=torch.long, device=dev)
+            tok[[rows[k] for k in mine]] = toks[mine]
+            cand = torch.zeros(B, dtype=torch.bool, device=dev)
+            cand[[rows[k] for k in mine]] = True
+            goes_on = session.calls(t, out["ids"], tok, cand).tolist()
+            for k in mine:
+                i, r = paused[k], rows[k]
+                if goes_on[r]:
+                    fed = list(session.queues[r])[:self.shape.L]
+                    session.queues[r].clear()
+                    session.seg_start[r] = t + 1 + len(fed)   # where the next stretch of sampling begins
+                    if fed:
+                        self.feed_ids[i, :len(fed)] = torch.tensor(fed, device=dev)
+                    self.feed_at[i], self.feed_len[i] = 0, len(fed)
+                    self.done[i] = False
+                elif int(toks[k]) in stops:   # the trigger was a stop token and nothing follows: the row ends
+                    self.end[i], self.stopped[i] = t + 1, True
+                else:
+                    self.done[i] = False
+        self.paused[at] = False
+
+    def _retire(self, b: int, out: dict[str, torch.Tensor]) -> int:
+        """Copy the done rows of slots [0, b) into `out` (by output row) and free their slots; returns how
+        many positions those rows filled."""
+        done = self.done[:b].tolist()
+        slots = [i for i in range(b) if done[i] and self.row_of[i] >= 0]
+        if not slots:
+            return 0
+        at = torch.tensor(slots, device=self.W.device)
+        rows = torch.tensor([self.row_of[i] for i in slots], device=self.W.device)
+        L = self.shape.L
+        out["ids"].index_copy_(0, rows, self.out_ids.index_select(0, at)[:, :L])
+        out["lp"].index_copy_(0, rows, self.out_lp.index_select(0, at)[:, :L])
+        out["end"].index_copy_(0, rows, self.end.index_select(0, at))
+        out["stopped"].index_copy_(0, rows, self.stopped.index_select(0, at))
+        if self.out_fed is not None:
+            out["fed"].index_copy_(0, rows, self.out_fed.index_select(0, at)[:, :L])
+        for i in slots:
+            self.row_of[i] = -1
+        return int(self.end.index_select(0, at).sum())
+
+    def _admit(self, prompts: list[list[int]], G: int, waiting: list[int], b: int, keys: torch.Tensor | None,
+               budgets: torch.Tensor | None) -> bool:
+        """Prefill waiting prompts (their indices, in order) into free slots of [0, b), a whole group at a
+        time, while a group fits; admitted prompts leave `waiting`. Whether any was admitted."""
+        s, dev = self.shape, self.W.device
+        free = [i for i in range(b) if self.row_of[i] < 0]
+        admitted = bool(waiting) and len(free) >= G
+        while waiting and len(free) >= G:
+            p, (slots, free) = waiting.pop(0), (free[:G], free[G:])
+            at = torch.tensor(slots, device=dev)
+            rows = torch.arange(p * G, (p + 1) * G, device=dev)
+            self.logits.index_copy_(0, at, self._prefill(prompts[p], at).expand(G, -1))
+            self.keys.index_copy_(0, at, keys.index_select(0, rows) if keys is not None else torch.zeros_like(rows))
+            cap = torch.full_like(rows, s.cap)
+            self.budget.index_copy_(0, at, budgets.index_select(0, rows).clamp(max=s.cap) if budgets is not None
+                                    else cap)
+            self.cache.lens.index_fill_(0, at, len(prompts[p]))
+            for x, v in ((self.done, False), (self.pos, 0), (self.n_sampled, 0), (self.end, s.L),
+                         (self.stopped, False), (self.counts, 0), (self.feed_at, 0), (self.feed_len, 0),
+                         (self.paused, False)):
+                if x is not None:
+                    x.index_fill_(0, at, v)
+            if self.seen is not None:   # the prompt's tokens count for the repetition penalty only (the server's rule)
+                seen = token_counts([prompts[p]], self.seen.size(1), dev) > 0
+                self.seen.index_copy_(0, at, (seen & (s.penalties.repetition_penalty != 1)).expand(G, -1))
+            for i, r in zip(slots, range(p * G, (p + 1) * G)):
+                self.row_of[i] = r
+        return admitted
 
     def run(self, prompts: list[list[int]], G: int, keys: torch.Tensor | None, budgets: torch.Tensor | None,
-            pad_id: int, on_tokens=None) -> Generation:
+            pad_id: int, on_tokens=None, session=None) -> Generation:
         s, W = self.shape, self.W
         B, R, dev = len(prompts) * G, s.rows, self.W.device
         W.refresh()
         self.done.fill_(True)
-        self.done[:B] = False
-        self.t.zero_()
-        self.end.fill_(s.L)
-        self.stopped.zero_()
-        self.out_ids.fill_(pad_id)
-        self.out_lp.zero_()
-        self.slot_row.copy_(torch.arange(R, device=dev))
-        self.keys.zero_()
-        if keys is not None:
-            self.keys[:B] = keys.to(dev)
-        self.budget.fill_(s.L)
-        if budgets is not None:
-            self.budget[:B] = budgets.to(dev).clamp(max=s.L)
+        self.paused.zero_()
+        self.pos.zero_()
         self.tok.zero_()
         self.cache.lens.zero_()
+        self.row_of = [-1] * R
+        keys = keys.to(dev) if keys is not None else None
+        budgets = budgets.to(dev) if budgets is not None else None
+        out = {"ids": torch.full((B, s.L), pad_id, dtype=torch.long, device=dev),
+               "lp": torch.zeros(B, s.L, dtype=torch.float32, device=dev),
+               "end": torch.full((B,), s.L, dtype=torch.long, device=dev),
+               "stopped": torch.zeros(B, dtype=torch.bool, device=dev),
+               "fed": torch.zeros(B, s.L, dtype=torch.bool, device=dev)}
+        waiting = list(range(len(prompts)))
         t0 = time.perf_counter()
-        for i, p in enumerate(prompts):   # each prompt alone, its keys and values copied to its G slots
-            self.logits[i * G:(i + 1) * G] = self._prefill(p, i * G, G)
-        self.cache.lens[:B] = torch.tensor([len(p) for p in prompts], device=dev).repeat_interleave(G)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)   # once per rollout: the split of its time
-        t1 = time.perf_counter()
-        b, steps, counted = R, 0, 0
-        for t in range(s.L):
+        b, steps, counted, retired, prefill_s = R, 0, 0, 0, 0.0
+        while True:
+            if steps % CHECK_EVERY == 0:   # the host's look: calls and turns, retire, admit, count, shrink
+                if session is not None:
+                    self._resolve(b, out, session)
+                t1 = time.perf_counter()
+                retired += self._retire(b, out)
+                if waiting and self._admit(prompts, G, waiting, b, keys, budgets) and dev.type == "cuda":
+                    torch.cuda.synchronize(dev)   # (the split of the run's time)
+                prefill_s += time.perf_counter() - t1
+                held = [i for i in range(b) if self.row_of[i] >= 0]
+                if on_tokens is not None:   # the retired rows' positions and those the held rows have filled
+                    total = retired + int(self.pos.index_select(0, torch.tensor(held, dtype=torch.long,
+                                                                                 device=dev)).sum())
+                    on_tokens(total - counted)
+                    counted = total
+                if not held:
+                    break
+                nb = -(-len(held) // s.rows_per_matmul) * s.rows_per_matmul
+                if not waiting and nb < b:
+                    self._compact(held, nb)
+                    b = nb
             self._replay(b)
-            steps = t + 1
-            if steps % CHECK_EVERY and steps != s.L:
-                continue
-            live, sampled = torch.stack([(~self.done[:b]).sum(), self.end[:B].clamp(max=steps).sum()]).tolist()
-            if on_tokens is not None:
-                on_tokens(sampled - counted)
-                counted = sampled
-            if live == 0:
-                break
-            nb = -(-live // s.rows_per_matmul) * s.rows_per_matmul
-            if nb < b:
-                self._compact(b, nb)
-                b = nb
-        self.last = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "steps": steps}
-        end = self.end[:B]
-        valid = torch.arange(steps, device=dev)[None, :] < end[:, None]
-        ids, lp = self.out_ids[:B, :steps], self.out_lp[:B, :steps]
-        if bool((lp.isnan() & valid).any()):
+            steps += 1
+        self.last = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - t0 - prefill_s, "steps": steps}
+        end = out["end"]
+        width = max(int(end.max()), 1)
+        valid = torch.arange(width, device=dev)[None, :] < end[:, None]
+        ids, lp = out["ids"][:, :width], out["lp"][:, :width]
+        fed = out["fed"][:, :width] & valid
+        sampled = valid & ~fed
+        if bool((lp.isnan() & sampled).any()):
             raise NonFiniteLogits("the model's next-token probabilities are NaN/inf")
+        extra = session.finish(ids, end) if session is not None else {}
         p_ids, p_mask = pad_sequences(prompts, pad_id, "left")
         return Generation(prompt_ids=p_ids.to(dev).repeat_interleave(G, dim=0),
                           prompt_mask=p_mask.to(dev).repeat_interleave(G, dim=0),
-                          completion_ids=ids.masked_fill(~valid, pad_id), completion_mask=valid.clone(),
-                          sampler_logprobs=lp.masked_fill(~valid, 0.0), truncated=~self.stopped[:B].clone())
+                          completion_ids=ids.masked_fill(~valid, pad_id), completion_mask=sampled,
+                          sampler_logprobs=lp.masked_fill(~sampled, 0.0), truncated=~out["stopped"],
+                          tool_mask=fed if session is not None else None, **extra)
 
 
 # each model's decoders for the Shapes it last ran (a rollout's shape repeats step after step; an eval's
@@ -292,19 +467,29 @@ def why_not(model, prompts: list[list[int]], max_new_tokens: int) -> str | None:
 def generate(model, prompts: list[list[int]], *, num_generations: int, max_new_tokens: int, temperature: float,
              top_k: int, top_p: float, stop_ids: tuple[int, ...], pad_id: int, keys: torch.Tensor | None,
              budgets: torch.Tensor | None = None, graphs: bool | None = None,
-             rows_per_matmul: int = ROWS_PER_MATMUL, on_tokens=None) -> Generation:
+             rows_per_matmul: int = ROWS_PER_MATMUL, on_tokens=None, max_slots: int | None = None,
+             penalties: Penalties = Penalties(), session=None) -> Generation:
     """`engine.generate`'s sampling by the slotted decode (`graphs`: CUDA graphs, default on CUDA).
-    `budgets` (B,): each row's own token cap (at most max_new_tokens)."""
+    `budgets` (B,): each row's own token cap (at most max_new_tokens). `max_slots`: decode at most this many
+    rows at once (rounded up to a group and to `rows_per_matmul`), admitting the others as rows finish;
+    None: every row at once. The completions are the same either way. `penalties`: applied to every row, as the
+    eager engine applies them. `session`: a tool_decode.ToolSession or env_decode.EpisodeSession for these rows
+    (the eager engine's `tools`): a row that samples a trigger pauses until the host's next look, which runs the
+    calls or steps the episodes and queues the replies, fed to the row as the eager engine feeds them."""
     dev = next(model.parameters()).device
     graphs = dev.type == "cuda" if graphs is None else graphs
     B = len(prompts) * num_generations
-    longest = max(map(len, prompts)) + max_new_tokens
+    slots = B if max_slots is None else max(min(max_slots, B), num_generations)
+    L = session.length if session is not None else max_new_tokens
+    longest = max(map(len, prompts)) + L
     T = -(-(longest + 1) // T_ROUND) * T_ROUND
     if isinstance(model, GPT):
         T = min(T, model.config.block_size)
-    shape = Shape(-(-B // rows_per_matmul) * rows_per_matmul, T, max_new_tokens, float(temperature), int(top_k),
-                  float(top_p), tuple(int(i) for i in stop_ids), keys is not None and temperature > 0,
-                  rows_per_matmul, graphs)
+    shape = Shape(rows=-(-slots // rows_per_matmul) * rows_per_matmul, T=T, L=L, cap=min(max_new_tokens, L),
+                  temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                  stops=tuple(int(i) for i in stop_ids), keyed=keys is not None and temperature > 0,
+                  rows_per_matmul=rows_per_matmul, graphs=graphs, penalties=penalties, session=session is not None,
+                  triggers=() if session is None else tuple(int(i) for i in session.triggers.tolist()))
     with torch.inference_mode(), _nondeterministic_kernels_allowed():
         kept = _DECODERS.setdefault(model, {})
         dec = kept.pop(shape, None)
@@ -313,4 +498,4 @@ def generate(model, prompts: list[list[int]], *, num_generations: int, max_new_t
                 kept.pop(next(iter(kept)))   # its memory (cache, graphs) goes before the new one's is taken
             dec = SlotDecoder(model, shape)
         kept[shape] = dec   # the most recent last
-        return dec.run(prompts, num_generations, keys, budgets, pad_id, on_tokens)
+        return dec.run(prompts, num_generations, keys, budgets, pad_id, on_tokens, session)

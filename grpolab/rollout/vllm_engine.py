@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (rollout.engine=vllm), colocated: one engine inside the trainer's process.
+"""vLLM as the rollout engine (rollout.source=vllm), colocated: one engine inside the trainer's process.
 
 The engine is created once with random weights of the policy's architecture and is given the policy's
 weights, in memory, before every rollout that follows an optimizer step (`load_weights`; LoRA adapters
@@ -38,7 +38,7 @@ _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the engine runs in this proce
 
 
 def _missing(why: str) -> ConfigError:
-    return ConfigError(f"rollout.engine: vllm needs vLLM in this Python ({why}); on a CPU machine run `make "
+    return ConfigError(f"rollout.source: vllm needs vLLM in this Python ({why}); on a CPU machine run `make "
                        f"vllm` and use .venv-vllm/bin/grpolab, on a GPU pip install 'grpolab[vllm]' (docs/vllm.md)")
 
 
@@ -91,7 +91,7 @@ class VLLMEngine:
                                   use_tqdm=False)
         except Exception as e:   # vLLM's own checks (memory, context length, architecture): their first line
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"rollout.engine=vllm: vLLM could not start on {model}: {msg}") from e
+            raise ConfigError(f"rollout.source=vllm: vLLM could not start on {model}: {msg}") from e
         finally:
             torch.set_rng_state(rng)
             torch.set_num_threads = set_threads
@@ -132,7 +132,7 @@ class VLLMEngine:
         try:
             outs = self.llm.generate(requests, params, use_tqdm=False)
         except self.RequestError as e:   # a request beyond what the engine was set up for (e.g. its context)
-            raise ConfigError(f"rollout.engine=vllm: {str(e).splitlines()[0]} (vllm.max_model_len)") from None
+            raise ConfigError(f"rollout.source=vllm: {str(e).splitlines()[0]} (vllm.max_model_len)") from None
         ids, lps, truncated = [], [], []
         for o in outs:
             c = o.outputs[0]

@@ -49,7 +49,7 @@ class VLLMSource(BuiltinSource):
         return taken
 
     def sample(self, prompts: list[list[int]], *, tools=None, on_tokens=None, **kw) -> Generation:
-        """(vLLM runs no tools or environments: config validation refuses them with rollout.engine=vllm)"""
+        """(vLLM runs no tools or environments: config validation refuses them with rollout.source=vllm)"""
         self.sync_s += self._sync(self.version)
         return self.engine.generate(prompts, **kw)
 

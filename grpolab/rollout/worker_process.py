@@ -58,7 +58,7 @@ class Worker:
         self.link, self.debug = lk, debug
         self.inbox: queue.Queue = queue.Queue()
         self.model = None
-        self.engine: VLLMEngine | None = None   # rollout.engine=vllm: a vLLM engine in this worker
+        self.engine: VLLMEngine | None = None   # rollout.source=vllm: a vLLM engine in this worker
         self.trained: list[torch.Tensor] = []
         self.version = -1
 

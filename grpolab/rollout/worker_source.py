@@ -97,7 +97,7 @@ class WorkerSource(RolloutSource):
             self.next_batch += 1
 
     def _start(self) -> WorkerPool:
-        """The rollout workers, given the model as it is now (and, with rollout.engine=vllm, a vLLM engine to
+        """The rollout workers, given the model as it is now (and, with rollout.source=vllm, a vLLM engine to
         build on it). On GPUs each worker takes the next free GPU after the trainer ranks' own."""
         self.progress.start_phase("starting rollout workers")
         t, n = self.cfg.train, self.n_workers
@@ -110,7 +110,7 @@ class WorkerSource(RolloutSource):
                               f"(pid {', '.join(str(p.pid) for p in pool.procs)}), {threads} torch thread"
                               f"{'s' if threads > 1 else ''} each, sampling {self.k} step"
                               f"{'s' if self.k != 1 else ''} ahead of the update (docs/async.md)")
-        pool.ship(self.model, self.published, vllm_options(self.cfg) if self.cfg.rollout.engine == "vllm" else None)
+        pool.ship(self.model, self.published, vllm_options(self.cfg) if self.cfg.rollout.source == "vllm" else None)
         return pool
 
     def _take(self, b: int, step: int) -> tuple:

@@ -33,6 +33,7 @@ import torch
 from ..models.lean_prefill import packed_prefill
 from ..rollout import kv_cache
 from ..rollout import logits_processors as lp
+from ..rollout.decode_loop import PREFILL_CHUNK
 from ..rollout.keys import completion_keys, token_uniforms
 from ..rollout.sampling import sample_next
 from ..rollout.structured import Constraint, Grammars
@@ -48,10 +49,6 @@ MAX_LOGPROBS = 20
 # a temperature below this samples greedily (as vLLM's): logits / 1e-300 overflow float32 to inf, and
 # the softmax of infinities is NaN, which drew the vocabulary's last token instead of the best one
 GREEDY_BELOW = 1e-5
-# while rows decode, a step prefills at most this many new prompt tokens (a longer prompt goes in chunks over
-# several steps, its keys and values kept on its Job), so a long prompt delays the running streams by one
-# chunk per token, not by its whole prefill (vLLM's chunked prefill); with no rows decoding there is no limit
-PREFILL_CHUNK = 512
 # a prefill that keeps every position's logits (jobs asking for prompt log-probs) admits jobs while
 # jobs × prompt width × vocabulary stays under this many logits (1 GiB in float32); the first always goes
 PROMPT_LOGITS = 2**28

@@ -51,9 +51,9 @@ def check_plan(cfg: Config, plan: Plan, world: dist.World) -> None:
         problem = dist.check_world(world, cfg.rollout.prompts_per_step)
         if problem:
             raise ConfigError(problem)
-        if cfg.rollout.engine == "vllm" and not cfg.train.worker_count:   # vLLM here sets up a world of its own
-            raise ConfigError("rollout.engine: vllm runs in one process for now; drop --nproc or use "
-                              "rollout.engine=builtin")
+        if cfg.rollout.source == "vllm" and not cfg.train.worker_count:   # vLLM here sets up a world of its own
+            raise ConfigError("rollout.source: vllm runs in one process for now; drop --nproc or use "
+                              "rollout.source=builtin")
         if plan.estimator.token_level:
             raise ConfigError(f"algorithm.adv_estimator: {cfg.algorithm.adv_estimator} (token-level, batch-whitened) "
                               f"runs in one process for now; drop --nproc or use a group estimator")

@@ -6,7 +6,8 @@ describing them. So `train.resume` compares the new config with the one the chec
 with (its run_config.yaml; older checkpoints: their run directory's config.yaml) and refuses every
 changed key except those below, in one line listing the keys.
 
-Keys present in only one of the two configs (added or removed by a grpolab upgrade) are not compared.
+Keys present in only one of the two configs (added or removed by a grpolab upgrade) are not compared; a renamed
+key (config/load.py's RENAMED) is compared under its new name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from ..config.load import renamed
 from ..errors import CheckpointError, ConfigError
 from ..models.checkpoint import RUN_CONFIG, checkpoint_job
 
@@ -56,7 +58,7 @@ def allowed(key: str, job: str) -> bool:
 def unsafe_changes(old: dict, new: dict, job: str) -> list[str]:
     """The keys (dotted) whose value differs between two configs and that a resume of `job` does not
     accept, sorted; each as 'key (old -> new)'."""
-    a, b = flatten(old), flatten(new)
+    a, b = (dict(renamed(list(flatten(c).items()), quiet=True)) for c in (old, new))
     return [f"{k} ({a[k]!r} -> {b[k]!r})" for k in sorted(a.keys() & b.keys())
             if a[k] != b[k] and not allowed(k, job)]
 

